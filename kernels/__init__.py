@@ -1,0 +1,17 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ringkv kernels: ring geometry, the Triton ring write and draft-block ring attention, and their references."""
+
+from .reference import ring_attention_reference, ring_write_reference
+from .ring_attention import ring_attention
+from .ring_geometry import PAD_SLOT, RingPlan, ring_blocks_needed
+from .ring_write import ring_write
+
+__all__ = [
+    "PAD_SLOT",
+    "RingPlan",
+    "ring_attention",
+    "ring_attention_reference",
+    "ring_blocks_needed",
+    "ring_write",
+    "ring_write_reference",
+]

@@ -1,0 +1,118 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Executable spec of the ring kernels: windowed draft-block attention over the ring, and the ring write.
+
+Same arguments as the Triton launchers in ``ring_attention.py`` and ``ring_write.py``; loops over requests,
+resolves every key through ``ring_geometry``, computes in fp32 (or fp64). CPU-friendly, not fast.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ring_geometry import first_visible_position, ring_column, visible
+
+
+def gather_ring(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows of a ``[num_blocks, bs, H, D]`` cache view at flat ``slots`` ([n]) -> ``[n, H, D]``."""
+    block_size = cache.shape[1]
+    return cache[torch.div(slots, block_size, rounding_mode="floor"), torch.remainder(slots, block_size)]
+
+
+def context_slots(
+    positions: torch.Tensor, table_row: torch.Tensor, block_size: int, period: int | None
+) -> torch.Tensor:
+    """Flat ring slots of context ``positions`` ([n]) through one block-table row ([width])."""
+    period = table_row.shape[0] if period is None else period
+    block_ids = table_row.to(torch.int64)[ring_column(positions, block_size, period)]
+    return block_ids * block_size + torch.remainder(positions, block_size)
+
+
+def masked_softmax_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``q [B, Hq, D]``, ``k/v [L, Hkv, D]``, ``mask [B, L]`` -> ``[B, Hq, Dv]``; an empty row gives 0."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    # scores: [Hq, B, L]
+    scores = torch.einsum("bhd,lhd->hbl", q, k) * scale
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    weights = torch.where(mask[None], weights, torch.zeros_like(weights))
+    weights = torch.nan_to_num(weights, nan=0.0)
+    return torch.einsum("hbl,lhd->bhd", weights, v)
+
+
+def ring_attention_reference(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    window: int,
+    causal: bool,
+    scale: float | None = None,
+    table_period: int | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    **_launch_options: object,
+) -> torch.Tensor:
+    """Draft-block attention over ring context plus the block's own K/V.
+
+    Request ``r`` has ``B = query_start_loc[r+1] - query_start_loc[r]`` queries at absolute positions
+    ``P..P+B-1`` with ``P = seq_lens[r] - B``; its keys are the ring history (positions ``< P``, read through
+    ``block_table[r]``) and the block's own ``k_new/v_new`` rows (positions ``P..P+B-1``). Visibility per
+    ``ring_geometry.visible`` (window ``W``: ``q - k < W``, ``k >= 0``, causal ``k <= q`` else ``k - q < W``).
+
+    Args:
+        q: [T, Hq, D]; k_new: [T, Hkv, D]; v_new: [T, Hkv, Dv].
+        k_cache: [num_blocks, bs, Hkv, D]; v_cache: [num_blocks, bs, Hkv, Dv] (any strides).
+        block_table: [num_reqs, width] physical block ids.
+        query_start_loc: [num_reqs + 1]; seq_lens: [num_reqs] (context + block).
+        window: W. causal: block-key causality. scale: default ``D ** -0.5``.
+        table_period: ring column period (R for a compact row); ``None``: full logical row.
+        compute_dtype: float32 or float64.
+        _launch_options: kernel-only options (``out``, ``num_splits``, ...), ignored here.
+
+    Returns:
+        [T, Hq, Dv] in ``q.dtype``.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = torch.zeros(q.shape[0], q.shape[1], v_new.shape[-1], dtype=q.dtype, device=q.device)
+    block_size = k_cache.shape[1]
+    starts = query_start_loc.tolist()
+    for request, seq_len in enumerate(seq_lens.tolist()):
+        begin, end = starts[request], starts[request + 1]
+        num_queries = end - begin
+        if num_queries == 0:
+            continue
+        committed = seq_len - num_queries
+        ctx_pos = torch.arange(first_visible_position(committed, window), committed, device=q.device)
+        slots = context_slots(ctx_pos, block_table[request], block_size, table_period)
+        block_pos = torch.arange(committed, seq_len, device=q.device)
+        keys = torch.cat([gather_ring(k_cache, slots), k_new[begin:end]]).to(compute_dtype)
+        values = torch.cat([gather_ring(v_cache, slots), v_new[begin:end]]).to(compute_dtype)
+        key_pos = torch.cat([ctx_pos, block_pos])
+        mask = visible(block_pos[:, None], key_pos[None, :], window, causal)
+        out[begin:end] = masked_softmax_attention(q[begin:end].to(compute_dtype), keys, values, mask, scale).to(
+            q.dtype
+        )
+    return out
+
+
+def ring_write_reference(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store row ``t`` of ``k``/``v`` ([T, Hkv, D]) at ring slot ``slot_mapping[t]``; slot < 0 is skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].to(torch.int64)
+    if torch.unique(slots).numel() != slots.numel():
+        raise ValueError("slot_mapping writes one slot twice; drop dead positions (RingPlan.slot_mapping)")
+    block_size = k_cache.shape[1]
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = torch.remainder(slots, block_size)
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)

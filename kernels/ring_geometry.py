@@ -1,0 +1,174 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Ring geometry: the single source of truth for the drafter ring's slot arithmetic.
+
+A request's sliding-window K/V live in a fixed ring of ``R`` physical blocks of ``bs`` slots.
+Token position ``p`` lives in logical block ``j = p // bs``, which maps to ring column ``j mod period``
+of the request's block-table row (``period = R`` for a compact ring row; for a full logical row, as vLLM
+keeps it, any period ``>= row width`` makes the column ``j`` itself).
+
+Window convention (``window = W``): a query at absolute position ``q`` sees key ``k`` iff ``q - k < W``
+and ``k >= 0``; causal adds ``k <= q``, non-causal adds ``k - q < W``. This equals vLLM ``sliding_window``
+and fla ``window_size``; FlashAttention ``(W-1, 0)`` / ``(W-1, W-1)``; FlashInfer ``window_left = W-1``.
+
+Why ``R = cdiv(W + la - 2, bs) + 1`` blocks suffice::
+
+    one drafter step at committed position P (context K/V exist for 0..P-1) reads and writes
+        context  [P-(W-1), P-1]   (W-1 positions: what query P, the lowest query, can still see)
+        block    [P, P+la-1]      (la = most tokens one step writes past the committed ones)
+    live span = W + la - 1 contiguous positions
+    L contiguous positions touch at most cdiv(L-1, bs) + 1 blocks (the +1: a span that does not
+    start on a block boundary), so the live span touches at most cdiv(W+la-2, bs) + 1 = R blocks.
+    Consecutive logical blocks j..j+R-1 have distinct residues mod R, hence distinct physical blocks:
+    no live position ever shares a slot with another live position.
+
+For W=2048, bs=16, la=8 (DFlash2, 7 speculative tokens) this gives R = cdiv(2054, 16) + 1 = 130.
+
+Writes of a batch that ends at ``P_end`` (exclusive) never store positions ``< P_end - (W-1)``: they are
+dead (no later query can see them) and, in a chunk longer than the ring, would alias live slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAD_SLOT = -1
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative ``a`` and positive ``b``."""
+    return -(-a // b)
+
+
+def _require_positive_int(name: str, value: object, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r} must be an int; {hint}")
+    if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1; {hint}")
+    return value
+
+
+def ring_blocks_needed(window: int, block_size: int, lookahead: int) -> int:
+    """Blocks ``R`` a ring needs so that one step's live span never aliases (see module docstring)."""
+    _require_positive_int("window", window, "pass the drafter's sliding window W (keys per query, incl. itself)")
+    _require_positive_int("block_size", block_size, "pass the KV block size in tokens")
+    _require_positive_int("lookahead", lookahead, "pass num_speculative_tokens + 1 for DFlash")
+    return cdiv(window + lookahead - 2, block_size) + 1
+
+
+def ring_column(position: torch.Tensor, block_size: int, period: int) -> torch.Tensor:
+    """Block-table column holding ``position``: ``(position // bs) mod period``."""
+    return torch.remainder(torch.div(position, block_size, rounding_mode="floor"), period)
+
+
+def first_visible_position(query_position: torch.Tensor | int, window: int) -> torch.Tensor | int:
+    """Lowest key position a query at ``query_position`` may see: ``max(0, q - (W - 1))``."""
+    if isinstance(query_position, int):
+        return max(0, query_position - (window - 1))
+    return torch.clamp(query_position - (window - 1), min=0)
+
+
+def visible(query_position: torch.Tensor, key_position: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
+    """The attention contract: ``q - k < W``, ``k >= 0``, plus ``k <= q`` (causal) or ``k - q < W``."""
+    seen = (query_position - key_position < window) & (key_position >= 0)
+    if causal:
+        return seen & (key_position <= query_position)
+    return seen & (key_position - query_position < window)
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """A per-request ring for one sliding-window layer group.
+
+    Args:
+        window: W, keys a query sees including itself.
+        block_size: bs, tokens per KV block.
+        lookahead: la, the most positions one step writes at or past the committed count
+            (``num_speculative_tokens + 1`` for DFlash).
+    """
+
+    window: int
+    block_size: int
+    lookahead: int
+
+    def __post_init__(self) -> None:
+        ring_blocks_needed(self.window, self.block_size, self.lookahead)
+
+    @classmethod
+    def for_dflash(cls, window: int, block_size: int, num_speculative_tokens: int) -> RingPlan:
+        """The plan of a DFlash drafter: lookahead = ``num_speculative_tokens + 1``."""
+        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} must be an int")
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0")
+        return cls(window=window, block_size=block_size, lookahead=num_speculative_tokens + 1)
+
+    @property
+    def num_blocks(self) -> int:
+        """R, the ring's physical blocks per request."""
+        return ring_blocks_needed(self.window, self.block_size, self.lookahead)
+
+    @property
+    def num_slots(self) -> int:
+        """S = R * bs."""
+        return self.num_blocks * self.block_size
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Physical blocks a request of ``num_tokens`` tokens holds: ``min(cdiv(N, bs), R)``."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens={num_tokens} must be >= 0")
+        return min(cdiv(num_tokens, self.block_size), self.num_blocks)
+
+    def live_span(self, committed: int) -> tuple[int, int]:
+        """Half-open positions ``[max(0, P-(W-1)), P+la)`` one step at committed ``P`` reads or writes."""
+        if committed < 0:
+            raise ValueError(f"committed={committed} must be >= 0")
+        return first_visible_position(committed, self.window), committed + self.lookahead
+
+    def check_step(self, query_len: int) -> None:
+        """Raise if a step of ``query_len`` block tokens does not fit the ring's lookahead."""
+        if query_len > self.lookahead:
+            raise ValueError(
+                f"query_len={query_len} exceeds the ring's lookahead la={self.lookahead} "
+                f"(window={self.window}, block_size={self.block_size}, R={self.num_blocks}); "
+                f"plan the ring with lookahead >= {query_len}"
+            )
+
+    def dead(self, positions: torch.Tensor, committed_end: torch.Tensor | int) -> torch.Tensor:
+        """Positions of a write batch ending at ``committed_end`` that no query can see any more."""
+        return positions < committed_end - (self.window - 1)
+
+    def slot_mapping(
+        self,
+        positions: torch.Tensor,
+        block_table: torch.Tensor,
+        *,
+        request_index: torch.Tensor | None = None,
+        committed_end: torch.Tensor | int | None = None,
+        period: int | None = None,
+    ) -> torch.Tensor:
+        """Ring slot of every written position; ``PAD_SLOT`` (-1) for negative or dead positions.
+
+        Args:
+            positions: [T] absolute positions (int).
+            block_table: [num_reqs, width] or [width] physical block ids; column = (p // bs) mod period.
+            request_index: [T] row of ``block_table`` per token (default row 0).
+            committed_end: the batch's end (exclusive) per token ([T]) or for all; positions before
+                ``committed_end - (W - 1)`` are dead and get PAD. ``None`` keeps every position.
+            period: column period, default R (a compact ring row).
+
+        Returns:
+            [T] int64 slots ``block_id * bs + p mod bs``.
+        """
+        period = self.num_blocks if period is None else period
+        table = block_table.reshape(-1, block_table.shape[-1]).to(torch.int64)
+        rows = torch.zeros_like(positions) if request_index is None else request_index
+        positions = positions.to(torch.int64)
+        keep = positions >= 0
+        if committed_end is not None:
+            keep &= ~self.dead(positions, committed_end)
+        safe = torch.where(keep, positions, torch.zeros_like(positions))
+        block_ids = table[rows.to(torch.int64), ring_column(safe, self.block_size, period)]
+        slots = block_ids * self.block_size + torch.remainder(safe, self.block_size)
+        return torch.where(keep, slots, torch.full_like(slots, PAD_SLOT))
