@@ -129,7 +129,9 @@ def validate_attention_inputs(
     )  # fmt: skip
     num_reqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_reqs + 1:
-        raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries; expected num_reqs + 1 = {num_reqs + 1}")
+        raise ValueError(
+            f"query_start_loc has {query_start_loc.shape[0]} entries; expected num_reqs + 1 = {num_reqs + 1}"
+        )
     if block_table.shape[0] < num_reqs:
         raise ValueError(f"block_table has {block_table.shape[0]} rows for {num_reqs} requests; give one row each")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:

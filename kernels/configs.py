@@ -23,7 +23,8 @@ class AttentionConfig:
 
     BLOCK_M: query rows (query-major, ``row = i * G + g``) per program; BLOCK_KB: the block's own keys;
     TILE_N: context keys per loop iteration; BLOCK_D / BLOCK_DV: padded head dims;
-    queries_per_block / num_m_blocks: queries per row block, row blocks per KV head; num_splits: window splits (LSE-combined when > 1).
+    queries_per_block / num_m_blocks: queries per row block, row blocks per KV head;
+    num_splits: window splits (LSE-combined when > 1).
     """
 
     BLOCK_M: int

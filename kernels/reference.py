@@ -97,9 +97,7 @@ def ring_attention_reference(
         values = torch.cat([gather_ring(v_cache, slots), v_new[begin:end]]).to(compute_dtype)
         key_pos = torch.cat([ctx_pos, block_pos])
         mask = visible(block_pos[:, None], key_pos[None, :], window, causal)
-        out[begin:end] = masked_softmax_attention(q[begin:end].to(compute_dtype), keys, values, mask, scale).to(
-            q.dtype
-        )
+        out[begin:end] = masked_softmax_attention(q[begin:end].to(compute_dtype), keys, values, mask, scale).to(q.dtype)
     return out
 
 

@@ -1,0 +1,290 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The prepared GPU check (one H200 run, <= 8 minutes): correctness first, then timings, JSON to $OUT.
+
+1. the kernel test-suite natively on the GPU (``pytest tests/kernels -m interpreter``), then bf16 cases on
+   the DFlash2 shape against the fp64 reference, each repeated 10x and required bitwise equal;
+2. ``ring_attention`` on the DFlash2 drafter shape (32 q / 8 kv heads, hd 128, W 2048, B 8 and 16,
+   N = 1/8/64/256 requests), ``triton.testing.do_bench`` medians (p20/p80; do_bench flushes L2 between
+   reps), GB/s and % of 4.3 TB/s, beside FlexAttention (sliding-window mask) and SDPA on the same inputs,
+   each gated on correctness.
+
+Usage: ``python3 bench/gpu_check.py --out $OUT`` on the GPU; ``--smoke`` runs a tiny CPU/interpreter
+version of every step (what CI runs to keep this script working).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+from ringkv_path import ensure_ringkv_importable  # noqa: E402
+
+HBM_BYTES_PER_S = 4.3e12
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_q_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    window: int = 2048
+    block_size: int = 16
+
+
+def build_batch(shape: Shape, num_reqs: int, block: int, committed: int, dtype, device, seed: int = 0):
+    """N requests at the same committed position: a ring each, live context written through ``ring_write``,
+    plus the same K/V linearized (``[N, Hkv, W-1+B, D]``) for the dense baselines."""
+    import torch
+    from ringkv.kernels import RingPlan, ring_write
+
+    plan = RingPlan(shape.window, shape.block_size, lookahead=max(block, 8))
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    num_blocks = num_reqs * plan.num_blocks + 1
+    pool = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    k_cache = torch.full(pool, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(pool, float("nan"), dtype=dtype, device=device)
+    rings = (torch.randperm(num_blocks - 1, generator=generator) + 1).view(num_reqs, plan.num_blocks).to(torch.int32)
+    context = torch.arange(max(0, committed - (shape.window - 1)), committed)
+    ctx_len = len(context)
+    k_ctx = torch.randn(num_reqs, ctx_len, shape.num_kv_heads, shape.head_dim, generator=generator).to(dtype)
+    v_ctx = torch.randn(num_reqs, ctx_len, shape.num_kv_heads, shape.head_dim, generator=generator).to(dtype)
+    for r in range(num_reqs):
+        slots = plan.slot_mapping(context, rings[r], committed_end=committed)
+        ring_write(k_ctx[r].to(device), v_ctx[r].to(device), k_cache, v_cache, slots.to(device))
+    tokens = num_reqs * block
+    q = torch.randn(tokens, shape.num_q_heads, shape.head_dim, generator=generator).to(dtype).to(device)
+    k_new = torch.randn(tokens, shape.num_kv_heads, shape.head_dim, generator=generator).to(dtype).to(device)
+    v_new = torch.randn(tokens, shape.num_kv_heads, shape.head_dim, generator=generator).to(dtype).to(device)
+    args = {
+        "q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache,
+        "block_table": rings.to(device),
+        "query_start_loc": torch.arange(0, tokens + 1, block, dtype=torch.int32, device=device),
+        "seq_lens": torch.full((num_reqs,), committed + block, dtype=torch.int32, device=device),
+        "window": shape.window, "causal": False, "table_period": plan.num_blocks,
+    }  # fmt: skip
+    # dense layout [N, H, L, D]: context then the block's own keys
+    k_dense = torch.cat([k_ctx.to(device), k_new.view(num_reqs, block, *k_new.shape[1:])], 1).transpose(1, 2)
+    v_dense = torch.cat([v_ctx.to(device), v_new.view(num_reqs, block, *v_new.shape[1:])], 1).transpose(1, 2)
+    q_dense = q.view(num_reqs, block, *q.shape[1:]).transpose(1, 2)
+    return args, (q_dense.contiguous(), k_dense.contiguous(), v_dense.contiguous()), ctx_len
+
+
+def dense_mask(ctx_len: int, block: int, window: int, device):
+    """[B, ctx_len + B] visibility of the linearized window (non-causal drafter layer)."""
+    import torch
+
+    q_lin = ctx_len + torch.arange(block, device=device)[:, None]
+    k_lin = torch.arange(ctx_len + block, device=device)[None, :]
+    return (q_lin - k_lin < window) & (k_lin - q_lin < window)
+
+
+def make_baselines(dense, ctx_len: int, block: int, window: int, device, compile_flex: bool):
+    """SDPA with a boolean mask and FlexAttention with a sliding-window ``mask_mod`` on the same K/V."""
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v = dense
+    mask = dense_mask(ctx_len, block, window, device)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    baselines = {"torch-sdpa": sdpa}
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def sliding(b, h, q_idx, kv_idx):
+            q_lin = q_idx + ctx_len
+            return (q_lin - kv_idx < window) & (kv_idx - q_lin < window)
+
+        block_mask = create_block_mask(sliding, None, None, block, ctx_len + block, device=str(device))
+        flex = torch.compile(flex_attention) if compile_flex else flex_attention
+
+        def flex_call():
+            return flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+        baselines["torch-flex"] = flex_call
+    except Exception as error:  # a missing or failing baseline is recorded, never fatal
+        baselines["torch-flex"] = error
+    return baselines
+
+
+def to_token_major(out_dense, num_reqs: int, block: int):
+    """[N, Hq, B, D] -> [N*B, Hq, D]."""
+    return out_dense.transpose(1, 2).reshape(num_reqs * block, *out_dense.shape[1:2], out_dense.shape[-1])
+
+
+def time_fn(fn, smoke: bool) -> tuple[float, float, float]:
+    """(p50, p20, p80) in microseconds."""
+    if smoke:
+        start = time.perf_counter()
+        fn()
+        elapsed = (time.perf_counter() - start) * 1e6
+        return elapsed, elapsed, elapsed
+    import triton.testing
+
+    p50, p20, p80 = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=25, rep=100)
+    return p50 * 1e3, p20 * 1e3, p80 * 1e3
+
+
+def gate(out, args) -> dict:
+    import torch
+    from ringkv.kernels import ring_attention_reference
+    from ringkv.kernels.tolerance import attention_error
+
+    ref_hi = ring_attention_reference(**args, compute_dtype=torch.float64)
+    ref_lo = ring_attention_reference(**args, compute_dtype=args["q"].dtype)
+    report = attention_error(out, ref_hi, ref_lo)
+    return {"max_error": report.max_error, "bound": report.bound, "ok": report.ok}
+
+
+def run_test_suite(timeout_s: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(p) for p in ensure_ringkv_importable()])}
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-m", "interpreter", "-q", "-p", "no:cacheprovider",
+           "--benchmark-disable", "-x"]  # fmt: skip
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+        tail = (done.stdout + done.stderr)[-3000:]
+        return {"returncode": done.returncode, "seconds": time.perf_counter() - start, "tail": tail}
+    except subprocess.TimeoutExpired:
+        return {"returncode": None, "seconds": timeout_s, "tail": "timed out"}
+
+
+def bf16_cases(shape: Shape, device, smoke: bool) -> list[dict]:
+    """bf16 on the DFlash2 shape: deep positions, a mixed batch, forced splits; 10 bitwise-equal repeats."""
+    import torch
+    from ringkv.kernels import ring_attention
+
+    rows = []
+    cases = [(1, 8, 262_136, None), (4, 16, 5_000, None), (2, 8, 3_000, 4), (1, 8, 100, None)]
+    if smoke:
+        cases = cases[-1:]
+    for num_reqs, block, committed, splits in cases:
+        args, _, _ = build_batch(shape, num_reqs, block, committed, torch.bfloat16, device, seed=committed)
+        first = ring_attention(**args, num_splits=splits)
+        repeats_equal = all(torch.equal(first, ring_attention(**args, num_splits=splits)) for _ in range(10))
+        rows.append({"num_reqs": num_reqs, "block": block, "committed": committed, "num_splits": splits,
+                     "bitwise_repeats": repeats_equal, **gate(first, args)})  # fmt: skip
+    return rows
+
+
+def timing_rows(shape: Shape, device, smoke: bool, budget_s: float) -> list[dict]:
+    import torch
+    from ringkv.kernels import ring_attention
+    from ringkv.kernels.tolerance import attention_error
+
+    dtype = torch.bfloat16
+    rows = []
+    started = time.perf_counter()
+    grid = [(8, 1), (8, 8), (8, 64), (8, 256), (16, 1), (16, 8), (16, 64), (16, 256)]
+    if smoke:
+        grid = [(8, 1)]
+    for block, num_reqs in grid:
+        committed = 262_136 if not smoke else 100
+        args, dense, ctx_len = build_batch(shape, num_reqs, block, committed, dtype, device)
+        out = torch.empty_like(args["q"])
+
+        def ringkv_call(args=args, out=out, block=block, committed=committed):
+            return ring_attention(**args, out=out, max_query_len=block, max_seq_len=committed + block)
+
+        ringkv_call()
+        check = gate(out, args)
+        kv_bytes = 2 * num_reqs * (ctx_len + block) * shape.num_kv_heads * shape.head_dim * dtype.itemsize
+        qo_bytes = 2 * num_reqs * block * shape.num_q_heads * shape.head_dim * dtype.itemsize
+        base = {"block": block, "num_reqs": num_reqs, "committed": committed, "dtype": str(dtype),
+                "bytes": kv_bytes + qo_bytes}  # fmt: skip
+        providers = {"ringkv": ringkv_call}
+        compile_flex = not smoke and time.perf_counter() - started < budget_s
+        providers.update(make_baselines(dense, ctx_len, block, shape.window, device, compile_flex))
+        for name, fn in providers.items():
+            row = {**base, "provider": name}
+            if isinstance(fn, Exception):
+                rows.append({**row, "error": repr(fn)})
+                continue
+            try:
+                result = fn()
+                if name == "ringkv":
+                    row.update(check)
+                else:
+                    ref = ringkv_call()
+                    report = attention_error(to_token_major(result, num_reqs, block), ref, ref)
+                    row["max_diff_vs_ringkv"] = report.max_error
+                if name != "ringkv" and time.perf_counter() - started > budget_s:
+                    rows.append({**row, "skipped": "time budget"})
+                    continue
+                p50, p20, p80 = time_fn(fn, smoke)
+                gbps = row["bytes"] / (p50 * 1e-6) / 1e9
+                row.update({"us_p50": p50, "us_p20": p20, "us_p80": p80, "GBps": gbps,
+                            "pct_of_4.3TBps": 100 * gbps * 1e9 / HBM_BYTES_PER_S})  # fmt: skip
+            except Exception as error:
+                row["error"] = repr(error)[:500]
+            rows.append(row)
+        del args, dense, out
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def environment(device) -> dict:
+    import torch
+    import triton
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+            "device": str(device), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update({"gpu": props.name, "sms": props.multi_processor_count, "cuda": torch.version.cuda})
+    try:
+        info["commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        info["commit"] = "unknown"
+    return info
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"), help="folder for gpu_check.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU/interpreter run of every step")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="stop timing baselines after this")
+    parser.add_argument("--skip-tests", action="store_true", help="skip the pytest subset")
+    options = parser.parse_args()
+    if options.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    ensure_ringkv_importable()
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not options.smoke else "cpu")
+    shape = Shape() if not options.smoke else Shape(num_q_heads=4, num_kv_heads=1, head_dim=16, window=37, block_size=8)
+    report = {"environment": environment(device), "shape": asdict(shape)}
+    if not options.smoke and not options.skip_tests:
+        report["test_suite"] = run_test_suite(timeout_s=150)
+        print("test suite:", report["test_suite"]["tail"][-400:], flush=True)
+    report["bf16"] = bf16_cases(shape, device, options.smoke)
+    print(json.dumps(report["bf16"], indent=1), flush=True)
+    report["timing"] = timing_rows(shape, device, options.smoke, options.budget_s)
+    for row in report["timing"]:
+        print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    out_dir = Path(options.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / ("gpu_check_smoke.json" if options.smoke else "gpu_check.json")).write_text(json.dumps(report, indent=1))
+    failed = [r for r in report["bf16"] if not (r["ok"] and r["bitwise_repeats"])]
+    failed += [r for r in report["timing"] if r["provider"] == "ringkv" and not r.get("ok", False)]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The kernel smoke behind ``ringkv demo``: the DFlash2 ring plan, and one drafter attention step deep into
+a 262,144-token context, written through ``ring_write`` and checked against the reference."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from ringkv.kernels import RingPlan, ring_attention, ring_attention_reference, ring_write
+from ringkv.kernels.tolerance import attention_error
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+@dataclass(frozen=True)
+class DemoShape:
+    """The DFlash2 drafter of vLLM #55800: W 2048, block 16, 7 speculative tokens, 32/8 heads, hd 128."""
+
+    window: int = 2048
+    block_size: int = 16
+    num_speculative_tokens: int = 7
+    num_q_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    max_model_len: int = 262_144
+    dtype: torch.dtype = torch.bfloat16
+
+
+def plan_rows(shape: DemoShape) -> list[tuple[str, str]]:
+    """(name, value) rows describing the ring plan and its memory next to a full-length cache."""
+    plan = RingPlan.for_dflash(shape.window, shape.block_size, shape.num_speculative_tokens)
+    token_bytes = 2 * shape.num_kv_heads * shape.head_dim * torch.finfo(shape.dtype).bits // 8
+    ring_bytes = plan.num_slots * token_bytes
+    full_bytes = shape.max_model_len * token_bytes
+    return [
+        (
+            "window W / block bs / speculative N",
+            f"{shape.window} / {shape.block_size} / {shape.num_speculative_tokens}",
+        ),
+        ("lookahead la = N + 1", str(plan.lookahead)),
+        ("ring blocks R = cdiv(W + la - 2, bs) + 1", str(plan.num_blocks)),
+        ("ring slots S = R * bs", str(plan.num_slots)),
+        ("drafter KV per request and layer, ring", f"{ring_bytes / MIB:.3f} MiB"),
+        (f"drafter KV per request and layer, full {shape.max_model_len}", f"{full_bytes / GIB:.3f} GiB"),
+    ]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    positions: tuple[int, int]
+    written: int
+    max_error: float
+    bound: float
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_error <= self.bound
+
+
+def attention_step(shape: DemoShape, last_position: int, device: torch.device, seed: int = 0) -> StepResult:
+    """Write the last 8192 context positions as one prefill chunk (only the live ``W - 1`` land in the ring),
+    then attend the draft block ending at ``last_position`` and compare with the reference."""
+    generator = torch.Generator().manual_seed(seed)
+    plan = RingPlan.for_dflash(shape.window, shape.block_size, shape.num_speculative_tokens)
+    block = plan.lookahead
+    committed = last_position + 1 - block
+    num_blocks = 2 * plan.num_blocks + 1
+    pool_shape = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    k_cache = torch.full(pool_shape, float("nan"), dtype=shape.dtype, device=device)
+    v_cache = torch.full(pool_shape, float("nan"), dtype=shape.dtype, device=device)
+    ring = (torch.randperm(num_blocks - 1, generator=generator)[: plan.num_blocks] + 1).to(torch.int32)
+    chunk = torch.arange(max(0, committed - 8192), committed)
+    slots = plan.slot_mapping(chunk, ring, committed_end=committed)
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator).to(shape.dtype).to(device)
+
+    rows = (len(chunk), shape.num_kv_heads, shape.head_dim)
+    ring_write(rand(*rows), rand(*rows), k_cache, v_cache, slots.to(device))
+    args = {
+        "q": rand(block, shape.num_q_heads, shape.head_dim),
+        "k_new": rand(block, shape.num_kv_heads, shape.head_dim),
+        "v_new": rand(block, shape.num_kv_heads, shape.head_dim),
+        "k_cache": k_cache, "v_cache": v_cache, "block_table": ring[None].to(device),
+        "query_start_loc": torch.tensor([0, block], dtype=torch.int32, device=device),
+        "seq_lens": torch.tensor([committed + block], dtype=torch.int32, device=device),
+        "window": shape.window, "causal": False, "table_period": plan.num_blocks,
+    }  # fmt: skip
+    start = time.perf_counter()
+    out = ring_attention(**args, max_query_len=block)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    ref_hi = ring_attention_reference(**args, compute_dtype=torch.float64)
+    ref_lo = ring_attention_reference(**args, compute_dtype=shape.dtype)
+    report = attention_error(out, ref_hi, ref_lo)
+    return StepResult((committed, last_position), int((slots >= 0).sum()), report.max_error, report.bound, seconds)

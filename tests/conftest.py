@@ -1,0 +1,19 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Test configuration: kernel tests run under the Triton interpreter on machines without a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# The interpreter must be chosen before triton compiles anything; on a GPU machine the kernels run natively.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where kernel tests put tensors: the GPU if there is one, else the CPU (interpreter)."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

@@ -1,0 +1,158 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Ring geometry: R, slot arithmetic, dead positions, and property tests over random step sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ringkv.kernels.ring_geometry import PAD_SLOT, RingPlan, first_visible_position
+
+
+@pytest.mark.parametrize(
+    ("window", "block_size", "num_spec", "expected"),
+    [(2048, 16, 7, 130), (2048, 16, 15, 130), (2048, 16, 17, 130), (2048, 16, 18, 131), (4096, 16, 7, 258),
+     (1, 16, 0, 1), (16, 16, 0, 2), (17, 16, 7, 3)],
+)  # fmt: skip
+def test_ring_blocks(window, block_size, num_spec, expected):
+    plan = RingPlan.for_dflash(window, block_size, num_spec)
+    assert plan.num_blocks == expected
+    assert plan.num_slots == expected * block_size
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"window": 0, "block_size": 16, "lookahead": 8}, "window=0"),
+     ({"window": 2048, "block_size": 0, "lookahead": 8}, "block_size=0"),
+     ({"window": 2048, "block_size": 16, "lookahead": 0}, "lookahead=0"),
+     ({"window": 2048.0, "block_size": 16, "lookahead": 8}, "window=2048.0"),
+     ({"window": True, "block_size": 16, "lookahead": 8}, "window=True")],
+)  # fmt: skip
+def test_impossible_plans_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RingPlan(**kwargs)
+
+
+def test_for_dflash_rejects_negative_tokens():
+    with pytest.raises(ValueError, match="num_speculative_tokens=-1"):
+        RingPlan.for_dflash(2048, 16, -1)
+
+
+def test_check_step_names_the_fix():
+    plan = RingPlan(2048, 16, 8)
+    plan.check_step(8)
+    with pytest.raises(ValueError, match="query_len=9 exceeds the ring's lookahead la=8"):
+        plan.check_step(9)
+
+
+def test_blocks_for_tokens_caps_at_ring():
+    plan = RingPlan.for_dflash(2048, 16, 7)
+    assert [plan.blocks_for_tokens(n) for n in (0, 1, 16, 17, 2080, 262144)] == [0, 1, 1, 2, 130, 130]
+
+
+def test_slot_mapping_pads_negative_and_dead_positions():
+    plan = RingPlan(window=4, block_size=2, lookahead=2)  # R = cdiv(4, 2) + 1 = 3, S = 6
+    ring = torch.tensor([7, 3, 5])
+    positions = torch.tensor([-1, 0, 1, 2, 3, 4, 5, 6, 7])
+    slots = plan.slot_mapping(positions, ring, committed_end=8)
+    # live: positions >= 8 - 3 = 5 -> p=5: block 2 -> ring[2]=5 -> 11; p=6: block 3 -> ring[0]=7 -> 14; p=7 -> 15
+    assert slots.tolist() == [PAD_SLOT] * 6 + [11, 14, 15]
+    everything = plan.slot_mapping(positions, ring)
+    assert everything.tolist() == [PAD_SLOT, 14, 15, 6, 7, 10, 11, 14, 15]
+
+
+def test_full_rows_and_compact_rows_agree():
+    plan = RingPlan(window=37, block_size=8, lookahead=8)
+    ring = torch.randperm(100)[: plan.num_blocks]
+    positions = torch.arange(0, 1000)
+    full_row = ring[torch.arange(1000 // 8 + 1) % plan.num_blocks]
+    compact = plan.slot_mapping(positions, ring)
+    full = plan.slot_mapping(positions, full_row, period=full_row.shape[0])
+    assert torch.equal(compact, full)
+
+
+def test_live_span():
+    plan = RingPlan(window=2048, block_size=16, lookahead=8)
+    assert plan.live_span(0) == (0, 8)
+    assert plan.live_span(5000) == (5000 - 2047, 5008)
+    assert first_visible_position(torch.tensor([0, 2047, 2048]), 2048).tolist() == [0, 0, 1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    window=st.integers(1, 300),
+    block_size=st.integers(1, 40),
+    lookahead=st.integers(1, 40),
+    committed=st.integers(0, 5000),
+)
+def test_live_blocks_map_to_distinct_physical_blocks(window, block_size, lookahead, committed):
+    plan = RingPlan(window, block_size, lookahead)
+    lo, hi = plan.live_span(committed)
+    logical = range(lo // block_size, (hi - 1) // block_size + 1)
+    assert len(logical) <= plan.num_blocks
+    assert len({j % plan.num_blocks for j in logical}) == len(logical)
+
+
+class RingSimulator:
+    """Tracks which absolute position every ring slot holds, through the slot mappings of ``RingPlan``."""
+
+    def __init__(self, plan: RingPlan, ring: torch.Tensor) -> None:
+        self.plan, self.ring = plan, ring
+        self.stored: dict[int, tuple[str, int]] = {}
+        self.committed = 0
+
+    def write(self, positions: range, kind: str, committed_end: int | None) -> None:
+        pos = torch.tensor(list(positions), dtype=torch.int64)
+        slots = self.plan.slot_mapping(pos, self.ring, committed_end=committed_end)
+        kept = slots[slots >= 0].tolist()
+        assert len(kept) == len(set(kept)), "one launch writes a slot twice (parallel writers would race)"
+        for p, s in zip(pos.tolist(), slots.tolist(), strict=True):
+            if s >= 0:
+                self.stored[s] = (kind, p)
+
+    def assert_window_intact(self) -> None:
+        """Every context position the next block's queries can see is in its own slot."""
+        lo = first_visible_position(self.committed, self.plan.window)
+        pos = torch.arange(lo, self.committed)
+        for p, s in zip(pos.tolist(), self.plan.slot_mapping(pos, self.ring).tolist(), strict=True):
+            assert self.stored.get(s) == ("ctx", p), f"position {p} (slot {s}) holds {self.stored.get(s)}"
+
+
+step = st.one_of(
+    st.tuples(st.just("prefill"), st.integers(1, 700)),
+    st.tuples(st.just("decode"), st.integers(1, 40), st.integers(0, 40), st.booleans()),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    window=st.integers(1, 200),
+    block_size=st.integers(1, 32),
+    lookahead=st.integers(1, 33),
+    steps=st.lists(step, min_size=1, max_size=25),
+)
+def test_random_step_sequences_never_overwrite_a_live_window(window, block_size, lookahead, steps):
+    """Prefill chunks of any size (larger than the ring too) and decode blocks with random rejections."""
+    plan = RingPlan(window, block_size, lookahead)
+    ring = torch.randperm(4 * plan.num_blocks)[: plan.num_blocks]
+    sim = RingSimulator(plan, ring)
+    for action in steps:
+        if action[0] == "prefill":
+            end = sim.committed + action[1]
+            sim.write(range(sim.committed, end), "ctx", committed_end=end)
+            sim.committed = end
+        else:
+            block = min(action[1], lookahead)
+            # the drafter's block K/V land at the future slots P..P+B-1 (vLLM style), then attention reads
+            sim.write(range(sim.committed, sim.committed + block), "block", committed_end=None)
+            sim.assert_window_intact()
+            # the target verifies B rows; the accepted prefix becomes context, the rejected suffix is
+            # either PAD (V2) or written anyway (V1 padded mode) and must not harm the window
+            accepted = min(action[2], block - 1) + 1
+            end = sim.committed + accepted
+            if action[3]:
+                sim.write(range(end, sim.committed + block), "rejected", committed_end=end)
+            sim.write(range(sim.committed, end), "ctx", committed_end=end)
+            sim.committed = end
+        sim.assert_window_intact()

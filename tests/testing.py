@@ -1,0 +1,203 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared test helpers: ring cases with NaN-poisoned pools, the dense-mask oracle, the tolerance rule."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from ringkv.kernels.reference import ring_attention_reference, ring_write_reference
+from ringkv.kernels.ring_geometry import RingPlan, cdiv, first_visible_position, visible
+from ringkv.kernels.tolerance import attention_error
+
+NAN = float("nan")
+TENSOR_FIELDS = ("q", "k_new", "v_new", "k_cache", "v_cache", "block_table", "query_start_loc", "seq_lens")
+
+
+def stable_seed(*parts: object) -> int:
+    """A per-case seed from the case's parameters (stable across runs and processes)."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
+
+
+@dataclass
+class RingCase:
+    """One varlen draft-block batch over ring KV, plus the dense history the oracle uses."""
+
+    q: torch.Tensor
+    k_new: torch.Tensor
+    v_new: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    window: int
+    causal: bool
+    table_period: int | None
+    plan: RingPlan
+    # per request: (first history position, history K [n, Hkv, D], history V [n, Hkv, Dv])
+    history: list[tuple[int, torch.Tensor, torch.Tensor]] = field(repr=False)
+    seed: int = 0
+
+    def kernel_args(self) -> dict[str, object]:
+        return {
+            "q": self.q, "k_new": self.k_new, "v_new": self.v_new, "k_cache": self.k_cache,
+            "v_cache": self.v_cache, "block_table": self.block_table, "query_start_loc": self.query_start_loc,
+            "seq_lens": self.seq_lens, "window": self.window, "causal": self.causal,
+            "table_period": self.table_period,
+        }  # fmt: skip
+
+    def to(self, device: torch.device) -> RingCase:
+        """The same case with every tensor on ``device``."""
+        moved = {name: getattr(self, name).to(device) for name in TENSOR_FIELDS}
+        return RingCase(**{**self.__dict__, **moved})
+
+    @property
+    def committed(self) -> list[int]:
+        lens = (self.query_start_loc[1:] - self.query_start_loc[:-1]).tolist()
+        return [s - n for s, n in zip(self.seq_lens.tolist(), lens, strict=True)]
+
+
+def make_ring_case(
+    requests: list[tuple[int, int]],
+    *,
+    window: int,
+    block_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    head_dim_v: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    causal: bool = False,
+    lookahead: int | None = None,
+    full_rows: bool = False,
+    pad_tokens: int = 0,
+    seed: int = 0,
+    history_fn=None,
+) -> RingCase:
+    """Build a batch: request ``r`` has committed ``P_r`` positions and a block of ``B_r`` queries.
+
+    The pool is NaN everywhere except the live context ``[max(0, P-W+1), P)`` of each request, written
+    through ``RingPlan.slot_mapping``; physical blocks are a random permutation of a 2x-oversized pool
+    (block 0 is a NaN "null block"). ``full_rows`` gives vLLM-style logical rows (dead blocks -> 0) instead of
+    compact R-column rows. ``history_fn(positions) -> (k, v)`` overrides the random history values.
+    """
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    generator = torch.Generator().manual_seed(seed)
+    lookahead = max(b for _, b in requests) if lookahead is None else lookahead
+    plan = RingPlan(window=window, block_size=block_size, lookahead=lookahead)
+    ring_blocks = plan.num_blocks
+    num_reqs = len(requests)
+    num_blocks = 2 * ring_blocks * num_reqs + 1
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), NAN, dtype=dtype)
+    v_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim_v), NAN, dtype=dtype)
+    physical = (torch.randperm(num_blocks - 1, generator=generator) + 1)[: ring_blocks * num_reqs]
+    rings = physical.view(num_reqs, ring_blocks).to(torch.int32)
+    if full_rows:
+        width = max(cdiv(p + b, block_size) for p, b in requests) + 1
+        logical = torch.arange(width)
+        block_table = rings[:, logical % ring_blocks].clone()
+        for r, (p, _) in enumerate(requests):
+            dead_blocks = logical < first_visible_position(p, window) // block_size
+            block_table[r, dead_blocks] = 0
+        table_period = None
+    else:
+        block_table, table_period = rings, ring_blocks
+    history = []
+    for r, (p, _) in enumerate(requests):
+        first = max(0, p - window - 2 * block_size)
+        positions = torch.arange(first, p)
+        if history_fn is None:
+            k_hist = torch.randn(len(positions), num_kv_heads, head_dim, generator=generator).to(dtype)
+            v_hist = torch.randn(len(positions), num_kv_heads, head_dim_v, generator=generator).to(dtype)
+        else:
+            k_hist, v_hist = history_fn(positions)
+            k_hist, v_hist = k_hist.to(dtype), v_hist.to(dtype)
+        history.append((first, k_hist, v_hist))
+        live = positions >= first_visible_position(p, window)
+        slots = plan.slot_mapping(positions[live], block_table[r], period=table_period or block_table.shape[1])
+        ring_write_reference(k_hist[live], v_hist[live], k_cache, v_cache, slots)
+    lens = [b for _, b in requests]
+    num_tokens = sum(lens) + pad_tokens
+    q = torch.randn(num_tokens, num_q_heads, head_dim, generator=generator).to(dtype)
+    k_new = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
+    v_new = torch.randn(num_tokens, num_kv_heads, head_dim_v, generator=generator).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([p + b for p, b in requests], dtype=torch.int32)
+    return RingCase(
+        q, k_new, v_new, k_cache, v_cache, block_table, starts, seq_lens, window, causal,
+        table_period, plan, history, seed,
+    )  # fmt: skip
+
+
+def dense_oracle(case: RingCase, compute_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Independent oracle: SDPA with a boolean absolute-position mask over the linearized history."""
+    out = torch.zeros(case.q.shape[0], case.q.shape[1], case.v_new.shape[-1], dtype=compute_dtype)
+    starts = case.query_start_loc.tolist()
+    for r, (first, k_hist, v_hist) in enumerate(case.history):
+        begin, end = starts[r], starts[r + 1]
+        committed = case.committed[r]
+        q_pos = torch.arange(committed, committed + end - begin)
+        k_pos = torch.arange(first, committed + end - begin)
+        keys = torch.cat([k_hist, case.k_new[begin:end]]).to(compute_dtype)
+        values = torch.cat([v_hist, case.v_new[begin:end]]).to(compute_dtype)
+        mask = visible(q_pos[:, None], k_pos[None, :], case.window, case.causal)
+        # SDPA layout [1, H, L, D]
+        attended = F.scaled_dot_product_attention(
+            case.q[begin:end].to(compute_dtype).transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            attn_mask=mask[None, None],
+            enable_gqa=True,
+        )[0].transpose(0, 1)
+        out[begin:end] = attended
+    return out
+
+
+def reference_pair(case: RingCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ref_hi, ref_lo): the reference in fp64 cast to the output dtype, and in the case's own dtype."""
+    args = case.kernel_args()
+    ref_hi = ring_attention_reference(**args, compute_dtype=torch.float64)
+    lo_dtype = case.q.dtype if case.q.dtype != torch.float32 else torch.float32
+    ref_lo = ring_attention_reference(**args, compute_dtype=lo_dtype)
+    return ref_hi, ref_lo
+
+
+def describe_index(case: RingCase | None, token: int) -> str:
+    """Request, query offset, absolute position and ring slot of an output token."""
+    if case is None:
+        return f"token {token}"
+    starts = case.query_start_loc.tolist()
+    for r in range(len(starts) - 1):
+        if starts[r] <= token < starts[r + 1]:
+            pos = case.committed[r] + token - starts[r]
+            period = case.table_period or case.block_table.shape[1]
+            slot = case.plan.slot_mapping(torch.tensor([pos]), case.block_table[r], period=period)
+            return f"request {r}, query {token - starts[r]}, position {pos}, ring slot {int(slot)}"
+    return f"padding token {token}"
+
+
+def assert_attention_close(
+    out: torch.Tensor, ref_hi: torch.Tensor, ref_lo: torch.Tensor, *, name: str, case: RingCase | None = None
+) -> None:
+    """The tolerance rule of ``ringkv.kernels.tolerance``, with NaN/inf counted apart and a readable failure."""
+    for label, bad in (
+        ("NaN", torch.isnan),
+        ("+inf", lambda t: t == float("inf")),
+        ("-inf", lambda t: t == -float("inf")),
+    ):
+        unexpected = bad(out) & ~bad(ref_hi.to(out.dtype))
+        if unexpected.any():
+            token = int(unexpected.nonzero()[0, 0])
+            raise AssertionError(
+                f"{name}: {int(unexpected.sum())} unexpected {label} values, first at {describe_index(case, token)}"
+            )
+    report = attention_error(out, ref_hi, ref_lo)
+    if not report.ok:
+        token, head, dim = report.worst_index
+        raise AssertionError(
+            f"{name}: max error {report.max_error:.3e} > bound {report.bound:.3e} at head {head}, dim {dim}, "
+            f"{describe_index(case, token)} (seed {case.seed if case else 'n/a'})"
+        )
