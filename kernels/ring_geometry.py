@@ -172,3 +172,28 @@ class RingPlan:
         block_ids = table[rows.to(torch.int64), ring_column(safe, self.block_size, period)]
         slots = block_ids * self.block_size + torch.remainder(safe, self.block_size)
         return torch.where(keep, slots, torch.full_like(slots, PAD_SLOT))
+
+
+def last_writer_slots(slot_mapping: torch.Tensor) -> torch.Tensor:
+    """PAD every row whose slot a later row of the same batch also writes; keep the last writer.
+
+    A request's rows arrive in position order, so of two rows sharing a ring slot (positions ``p`` and
+    ``p + k*S``) the later one is the live one. ``ring_write`` stores rows in parallel; without this, a
+    block-table entry made before a long prefill chunk (the previous step's partial or lookahead block)
+    could let a dead row race a live one. Sort-based, no host sync.
+
+    Args:
+        slot_mapping: [T] int slots, ``< 0`` = PAD.
+
+    Returns:
+        [T] the same dtype, duplicates but the last PADded.
+    """
+    if slot_mapping.numel() <= 1:
+        return slot_mapping
+    order = torch.argsort(slot_mapping, stable=True)
+    ordered = slot_mapping[order]
+    last = torch.ones_like(ordered, dtype=torch.bool)
+    last[:-1] = ordered[1:] != ordered[:-1]
+    keep = torch.empty_like(last)
+    keep[order] = last
+    return torch.where(keep, slot_mapping, torch.full_like(slot_mapping, PAD_SLOT))

@@ -156,3 +156,11 @@ def test_random_step_sequences_never_overwrite_a_live_window(window, block_size,
             sim.write(range(sim.committed, end), "ctx", committed_end=end)
             sim.committed = end
         sim.assert_window_intact()
+
+
+def test_last_writer_slots_keeps_the_later_row():
+    from ringkv.kernels.ring_geometry import last_writer_slots
+
+    slots = torch.tensor([5, 9, -1, 5, 7, 9, 5])
+    assert last_writer_slots(slots).tolist() == [-1, -1, -1, -1, 7, 9, 5]
+    assert last_writer_slots(torch.tensor([3])).tolist() == [3]

