@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 import typer
@@ -56,6 +57,79 @@ def demo(
     ]))  # fmt: skip
     if not result.ok:
         raise typer.Exit(1)
+
+
+@app.command()
+def admission(
+    pool_blocks: int = typer.Option(1012, help="KV pool blocks (one pool for all groups)"),
+    target_groups: int = typer.Option(6, help="target full-attention KV groups"),
+    target_block_size: int = typer.Option(2304, help="target groups' block size"),
+    window: int = typer.Option(2048, help="drafter sliding window W"),
+    drafter_block_size: int = typer.Option(16, help="drafter block size"),
+    num_speculative_tokens: int = typer.Option(7, help="speculative tokens N (lookahead N + 1)"),
+    max_model_len: int = typer.Option(262_144),
+    max_num_batched_tokens: int = typer.Option(8192, help="prefill chunk / token budget"),
+    async_scheduling: bool = typer.Option(True, help="GPU default: two batches in flight"),
+    prompt_tokens: int = typer.Option(None, help="prompt to run (default: max_model_len - 8 * decode steps)"),
+    decode_steps: int = typer.Option(64, help="speculative decode steps after the prefill"),
+    seed: int = typer.Option(0),
+    plot: Path = typer.Option(Path("admission.png"), help="PNG of drafter blocks vs context"),
+) -> None:
+    """vLLM #55800 under vLLM's real Scheduler and KVCacheManager (CPU): stock drafter vs ringkv's ring."""
+    from tqdm import tqdm
+
+    from .plots import plot_drafter_blocks
+    from .vllm.admission import Deployment
+    from .vllm.scheduler_run import (
+        build_vllm_config,
+        scheduler_admits,
+        scheduler_largest_admissible,
+        scheduler_run,
+    )
+
+    deployment = Deployment(
+        pool_blocks=pool_blocks, target_groups=target_groups, target_block_size=target_block_size,
+        drafter_window=window, drafter_block_size=drafter_block_size, num_speculative_tokens=num_speculative_tokens,
+        max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
+    )  # fmt: skip
+    prompt = prompt_tokens or max_model_len - deployment.lookahead * decode_steps
+    config = build_vllm_config(deployment)
+    largest = {ring: scheduler_largest_admissible(config, deployment, ring) for ring in (False, True)}
+    typer.echo(
+        f"Deployment: {target_groups} target groups x block {target_block_size}, drafter W {window} / block "
+        f"{drafter_block_size} / N {num_speculative_tokens}, pool {pool_blocks} blocks, chunk {max_num_batched_tokens}"
+        f", async scheduling {'on' if async_scheduling else 'off'}; ring R = {deployment.ring_plan.num_blocks} blocks"
+    )
+    rows = [("", "stock vLLM", "ringkv ring")]
+    for probe in sorted({prompt, max_model_len}):
+        admitted = (str(scheduler_admits(config, deployment, ring, probe)) for ring in (False, True))
+        rows.append((f"admits a {probe}-token prompt", *admitted))
+    rows.append(("largest admissible prompt", str(largest[False]), str(largest[True])))
+    series = {}
+    runs = [(False, prompt), (True, prompt)]
+    if 0 < largest[False] < prompt:
+        runs.insert(1, (False, largest[False]))
+    for ring, run_prompt in runs:
+        label = "ringkv ring" if ring else "stock vLLM"
+        with tqdm(total=run_prompt, desc=f"{label}, {run_prompt}-token prompt", unit="tok", leave=False) as bar:
+
+            def advance(computed: int, bar=bar, total=run_prompt) -> None:
+                bar.update(min(computed, total) - bar.n)
+
+            trace = scheduler_run(config, deployment, ring, run_prompt, decode_steps, seed=seed, on_step=advance)
+        status = "finished" if trace.finished else "WEDGED (nothing scheduled)"
+        blocks = trace.drafter_blocks or [0]
+        rows.append((f"{label}: {run_prompt}-token run ({len(trace.computed)} steps)", status, ""))
+        rows.append(
+            (f"{label}: drafter blocks held min / max / last", f"{min(blocks)} / {max(blocks)} / {blocks[-1]}", "")
+        )
+        if trace.computed:
+            series[f"{label} ({run_prompt}-token prompt)"] = (trace.computed, trace.drafter_blocks)
+    width = max(len(r[0]) for r in rows)
+    for name, stock, ring_value in rows:
+        typer.echo(f"  {name.ljust(width)}  {stock:<28} {ring_value}")
+    path = plot_drafter_blocks(series, plot, "Drafter KV blocks held (vLLM Scheduler, CPU)")
+    typer.echo(f"plot: {path}")
 
 
 if __name__ == "__main__":

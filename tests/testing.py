@@ -156,6 +156,33 @@ def dense_oracle(case: RingCase, compute_dtype: torch.dtype = torch.float64) -> 
     return out
 
 
+def dense_oracle_rows(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    histories: list[tuple[torch.Tensor, torch.Tensor]],
+    committed: list[int],
+    block: int,
+    window: int,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp64, fp32) SDPA over full histories (positions 0..P-1) plus equal-sized draft blocks of ``block``."""
+    outs = []
+    for dtype in (torch.float64, torch.float32):
+        out = torch.zeros(q.shape[0], q.shape[1], v_new.shape[-1], dtype=dtype)
+        for r, ((k_hist, v_hist), p) in enumerate(zip(histories, committed, strict=True)):
+            rows = slice(r * block, (r + 1) * block)
+            q_pos, k_pos = torch.arange(p, p + block), torch.arange(0, p + block)
+            keys = torch.cat([k_hist[:p], k_new[rows]]).to(dtype).transpose(0, 1)[None]
+            values = torch.cat([v_hist[:p], v_new[rows]]).to(dtype).transpose(0, 1)[None]
+            mask = visible(q_pos[:, None], k_pos[None, :], window, causal)
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].to(dtype).transpose(0, 1)[None], keys, values, attn_mask=mask[None, None], enable_gqa=True
+            )[0].transpose(0, 1)
+        outs.append(out)
+    return outs[0], outs[1]
+
+
 def reference_pair(case: RingCase) -> tuple[torch.Tensor, torch.Tensor]:
     """(ref_hi, ref_lo): the reference in fp64 cast to the output dtype, and in the case's own dtype."""
     args = case.kernel_args()

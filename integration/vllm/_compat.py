@@ -57,6 +57,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
@@ -68,7 +69,9 @@ from vllm.v1.kv_cache_interface import (
     replace_as,
 )
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
 
 
 def ensure_builtin_kv_specs() -> None:
@@ -89,6 +92,7 @@ __all__ = [
     "AttentionType",
     "BlockPool",
     "CommonAttentionMetadata",
+    "DraftTokenIds",
     "EngineArgs",
     "FullAttentionSpec",
     "KVCacheBlock",
@@ -97,11 +101,14 @@ __all__ = [
     "KVCacheManager",
     "KVCacheSpec",
     "KVCacheSpecRegistry",
+    "ModelRunnerOutput",
     "MultipleOf",
     "Request",
     "SamplingParams",
+    "Scheduler",
     "SlidingWindowManager",
     "SlidingWindowSpec",
+    "StructuredOutputManager",
     "VllmConfig",
     "ensure_builtin_kv_specs",
     "get_current_vllm_config_or_none",

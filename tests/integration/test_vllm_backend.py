@@ -1,0 +1,195 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ring attention backend: declared capabilities, spec conversion, misconfiguration errors, selection,
+and forward / do_kv_cache_update driven with vLLM's CommonAttentionMetadata on a vLLM-layout KV cache."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from ringkv.integration.vllm import register
+from ringkv.integration.vllm.admission import Deployment, drafter_manager, make_request
+from ringkv.integration.vllm.backend import RingConfigError, RingKVBackend, check_ring_config
+from ringkv.integration.vllm.kv_cache import RingSWASpec, to_ring_spec
+
+from tests.testing import NAN, assert_attention_close
+
+pytestmark = pytest.mark.vllm
+
+
+def swa_spec(block_size: int = 16, window: int = 2048):
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return SlidingWindowSpec(
+        block_size=block_size, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, sliding_window=window
+    )
+
+
+def test_backend_is_registered_as_custom_and_ringkv():
+    register()
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    assert AttentionBackendEnum.CUSTOM.get_class() is RingKVBackend
+    assert AttentionBackendEnum["RINGKV"].get_class() is RingKVBackend
+    assert RingKVBackend.get_name() in AttentionBackendEnum.__members__
+
+
+def test_declared_capabilities():
+    from vllm.v1.attention.backend import MultipleOf
+
+    assert RingKVBackend.supports_sliding_window()
+    assert RingKVBackend.supports_non_causal()
+    assert RingKVBackend.supports_head_size(128) and RingKVBackend.supports_head_size(59)
+    assert RingKVBackend.supports_head_size(256) and not RingKVBackend.supports_head_size(512)
+    assert all(RingKVBackend.supports_dtype(d) for d in (torch.float16, torch.bfloat16, torch.float32))
+    assert RingKVBackend.get_supported_kernel_block_sizes() == [MultipleOf(16)]
+    assert RingKVBackend.supports_block_size(16) and not RingKVBackend.supports_block_size(8)
+    assert RingKVBackend.forward_includes_kv_cache_update
+
+
+def test_customize_spec_is_idempotent_and_derives_r_from_the_final_block_size():
+    ring = RingKVBackend.customize_spec(swa_spec())
+    assert isinstance(ring, RingSWASpec) and RingKVBackend.customize_spec(ring) is ring
+    ring8 = to_ring_spec(swa_spec(), lookahead=8)
+    assert ring8.ring_blocks == 130 and not ring8.prefix_cacheable
+    assert ring8.max_admission_blocks_per_request(max_in_flight_tokens=16_384, max_model_len=262_144) == 130
+    # page-size unification rescales a drafter's block after the spec is built: R follows
+    assert ring8.copy_with_new_block_size(32).ring_blocks == (2048 + 8 - 2 + 31) // 32 + 1 == 66
+    config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=262_144))
+    assert ring8.max_memory_usage_bytes(config) == 130 * ring8.page_size_bytes
+
+
+def test_full_attention_layers_keep_vllms_spec():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    assert RingKVBackend.customize_spec(full) is full
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (SimpleNamespace(scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=True)),
+         "--disable-hybrid-kv-cache-manager"),
+        (SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True)), "--no-enable-prefix-caching"),
+        (SimpleNamespace(num_lookahead_tokens=65), "lower num_speculative_tokens"),
+    ],
+)  # fmt: skip
+def test_misconfiguration_is_a_clear_error(config, message):
+    with pytest.raises(RingConfigError, match=message):
+        check_ring_config(config)
+
+
+def test_registering_first_keeps_vllms_built_in_specs():
+    """vLLM's registry skips its built-ins once it is non-empty; register() must fill them in first."""
+    code = (
+        "import torch\n"
+        "from ringkv.integration.vllm import register\n"
+        "register()\n"
+        "from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry as R\n"
+        "from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec\n"
+        "full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16)\n"
+        "print(R.get_manager_class(full).__name__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("FullAttentionManager")
+
+
+def test_plugin_entry_point_is_installed():
+    from importlib.metadata import entry_points
+
+    plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("ringkv") == "ringkv.integration.vllm:register"
+
+
+def test_vllm_attention_backend_env_selects_the_drafter_backend(monkeypatch):
+    from ringkv.integration.vllm import selection
+
+    seen = []
+    monkeypatch.setattr(selection.EngineArgs, "create_speculative_config", lambda self, *a, **k: seen.append(self))
+    selection.honour_attention_backend_env("RINGKV")
+    args = SimpleNamespace(speculative_config={"method": "dflash", "num_speculative_tokens": 7}, spec_method=None)
+    selection.EngineArgs.create_speculative_config(args)
+    assert seen == [args] and args.speculative_config["attention_backend"] == "RINGKV"
+    explicit = SimpleNamespace(speculative_config={"method": "dflash", "attention_backend": "FLASH_ATTN"})
+    selection.apply_drafter_backend(explicit)
+    assert explicit.speculative_config["attention_backend"] == "FLASH_ATTN"
+
+
+SMALL = Deployment(pool_blocks=200, target_groups=1, target_block_size=64, drafter_window=64, drafter_block_size=16,
+                   num_speculative_tokens=7, max_model_len=4096, max_num_batched_tokens=256, num_kv_heads=2,
+                   head_size=32)  # fmt: skip
+NUM_Q_HEADS = 8
+
+
+def vllm_slot_mapping(row: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """vLLM's DFlash prepare kernel: ``row[p // bs] * bs + p % bs``, PAD where the block is the null block."""
+    block_ids = row[positions // block_size]
+    return torch.where(block_ids == 0, -1, block_ids * block_size + positions % block_size)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_and_kv_update_with_common_attention_metadata(causal, device):
+    """Two requests through vLLM's KVCacheManager (ring), context written by do_kv_cache_update in chunks,
+    then one draft block each through forward, against an SDPA oracle over the dense history."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from tests.testing import dense_oracle_rows
+
+    register()
+    torch.manual_seed(0)
+    manager = SMALL.manager(ring=True)
+    drafter = drafter_manager(manager)
+    prompts = {"a": 300, "b": 37}
+    heads, dim, bs = SMALL.num_kv_heads, SMALL.head_size, SMALL.drafter_block_size
+    kv_cache = torch.full((SMALL.pool_blocks, heads, bs, 2 * dim), NAN).to(device)  # vLLM [B, H, N, 2D]
+    impl = RingKVBackend.get_impl_cls()(NUM_Q_HEADS, dim, dim**-0.5, heads, sliding_window=SMALL.drafter_window)
+    history = {}
+    for rid, length in prompts.items():
+        request = make_request(rid, length)
+        history[rid] = (torch.randn(length, heads, dim), torch.randn(length, heads, dim))
+        for start in range(0, length, 128):
+            end = min(start + 128, length)
+            assert manager.allocate_slots(request, end - start, num_lookahead_tokens=SMALL.lookahead) is not None
+            request.num_computed_tokens = end
+            row = torch.tensor([b.block_id for b in drafter.req_to_blocks[rid]])
+            slots = vllm_slot_mapping(row, torch.arange(start, end), bs)
+            k, v = history[rid][0][start:end], history[rid][1][start:end]
+            impl.do_kv_cache_update(None, k.to(device), v.to(device), kv_cache, slots.to(device))
+    block = SMALL.lookahead
+    width = max(len(drafter.req_to_blocks[r]) for r in prompts)
+    table = torch.zeros(len(prompts), width, dtype=torch.int32)
+    for i, rid in enumerate(prompts):
+        ids = [b.block_id for b in drafter.req_to_blocks[rid]]
+        table[i, : len(ids)] = torch.tensor(ids)
+    lengths = list(prompts.values())
+    query_start_loc = torch.arange(0, block * len(prompts) + 1, block, dtype=torch.int32)
+    seq_lens = torch.tensor([n + block for n in lengths], dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=query_start_loc.to(device), query_start_loc_cpu=query_start_loc,
+        seq_lens=seq_lens.to(device), num_reqs=len(prompts), num_actual_tokens=block * len(prompts),
+        max_query_len=block, max_seq_len=int(seq_lens.max()), block_table_tensor=table.to(device),
+        slot_mapping=torch.full((block * len(prompts),), -1, device=device), causal=causal,
+    )  # fmt: skip
+    builder = RingKVBackend.get_builder_cls()(None, ["drafter"], None, device)
+    metadata = builder.build(0, common)
+    tokens = block * len(prompts)
+    q = torch.randn(tokens, NUM_Q_HEADS * dim)
+    k_new, v_new = torch.randn(tokens, heads, dim), torch.randn(tokens, heads, dim)
+    output = torch.full((tokens + 3, NUM_Q_HEADS * dim), NAN, device=device)
+    impl.forward(None, q.to(device), k_new.to(device), v_new.to(device), kv_cache, metadata, output)
+    expected, expected_lo = dense_oracle_rows(
+        q.view(tokens, NUM_Q_HEADS, dim), k_new, v_new, [history[r] for r in prompts], lengths, block,
+        SMALL.drafter_window, causal,
+    )  # fmt: skip
+    got = output[:tokens].view(tokens, NUM_Q_HEADS, dim).cpu()
+    assert_attention_close(got, expected, expected_lo, name="RingKVImpl.forward")
+    assert torch.isnan(output[tokens:]).all(), "padding rows were written"
