@@ -89,14 +89,20 @@ def select_attention_config(
 
 @dataclass(frozen=True)
 class WriteConfig:
-    """Launch shape of ``ring_write``: one program per token and ``BLOCK_H`` heads."""
+    """Launch shape of ``ring_write``: ``BLOCK_T`` tokens x ``BLOCK_H`` heads per program."""
 
+    BLOCK_T: int
     BLOCK_H: int
     num_warps: int
 
 
+# elements of K (and of V) one ring_write program moves
+WRITE_TILE_ELEMENTS = 8192
+
+
 def select_write_config(*, num_kv_heads: int, head_dim: int) -> WriteConfig:
-    """Heads per program so one program moves about 4K elements of K (and of V)."""
+    """All heads of a row in one program when they fit, and as many rows as fill the tile."""
     block_d = next_pow2(head_dim)
-    block_h = max(1, min(next_pow2(num_kv_heads), 4096 // block_d))
-    return WriteConfig(BLOCK_H=block_h, num_warps=4)
+    block_h = max(1, min(next_pow2(num_kv_heads), WRITE_TILE_ELEMENTS // block_d))
+    block_t = max(1, WRITE_TILE_ELEMENTS // (block_h * block_d))
+    return WriteConfig(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)

@@ -21,6 +21,8 @@ def _ring_write_kernel(
     # outputs
     kc_ptr,  # [num_blocks, BS, HKV, D]   any strides
     vc_ptr,  # [num_blocks, BS, HKV, DV]
+    # scalars
+    num_tokens,
     # strides
     stride_k_t: tl.int64,
     stride_k_h: tl.int64,
@@ -37,29 +39,28 @@ def _ring_write_kernel(
     D: tl.constexpr,
     DV: tl.constexpr,
     BS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    i_t = tl.program_id(0).to(tl.int64)
-    i_hb = tl.program_id(1)
-    slot = tl.load(slot_mapping_ptr + i_t).to(tl.int64)
-    if slot < 0:
-        return
-    blk = slot // BS
-    off = slot % BS
-    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    o_d = tl.arange(0, BLOCK_D)
-    o_dv = tl.arange(0, BLOCK_DV)
-    m_h = o_h < HKV
-    # k rows: [BLOCK_H, BLOCK_D]
-    m_k = m_h[:, None] & (o_d < D)[None, :]
-    b_k = tl.load(k_ptr + i_t * stride_k_t + o_h[:, None] * stride_k_h + o_d[None, :], mask=m_k)
-    p_kc = kc_ptr + blk * stride_kc_b + off * stride_kc_s + o_h[:, None] * stride_kc_h + o_d[None, :]
+    # rows [BLOCK_T] x (head, dim) columns [BLOCK_H * BLOCK_D]
+    o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    b_slot = tl.load(slot_mapping_ptr + o_t, mask=o_t < num_tokens, other=-1).to(tl.int64)
+    m_t = b_slot >= 0
+    o_blk = b_slot // BS
+    o_off = b_slot % BS
+    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H * BLOCK_D) // BLOCK_D
+    o_d = tl.arange(0, BLOCK_H * BLOCK_D) % BLOCK_D
+    m_k = m_t[:, None] & ((o_h < HKV) & (o_d < D))[None, :]
+    b_k = tl.load(k_ptr + o_t[:, None] * stride_k_t + (o_h * stride_k_h + o_d)[None, :], mask=m_k)
+    p_kc = kc_ptr + (o_blk * stride_kc_b + o_off * stride_kc_s)[:, None] + (o_h * stride_kc_h + o_d)[None, :]
     tl.store(p_kc, b_k.to(kc_ptr.dtype.element_ty), mask=m_k)
-    m_v = m_h[:, None] & (o_dv < DV)[None, :]
-    b_v = tl.load(v_ptr + i_t * stride_v_t + o_h[:, None] * stride_v_h + o_dv[None, :], mask=m_v)
-    p_vc = vc_ptr + blk * stride_vc_b + off * stride_vc_s + o_h[:, None] * stride_vc_h + o_dv[None, :]
+    o_hv = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H * BLOCK_DV) // BLOCK_DV
+    o_dv = tl.arange(0, BLOCK_H * BLOCK_DV) % BLOCK_DV
+    m_v = m_t[:, None] & ((o_hv < HKV) & (o_dv < DV))[None, :]
+    b_v = tl.load(v_ptr + o_t[:, None] * stride_v_t + (o_hv * stride_v_h + o_dv)[None, :], mask=m_v)
+    p_vc = vc_ptr + (o_blk * stride_vc_b + o_off * stride_vc_s)[:, None] + (o_hv * stride_vc_h + o_dv)[None, :]
     tl.store(p_vc, b_v.to(vc_ptr.dtype.element_ty), mask=m_v)
 
 
@@ -100,13 +101,14 @@ def ring_write(
     if num_tokens == 0:
         return
     config = select_write_config(num_kv_heads=num_kv_heads, head_dim=max(head_dim, v.shape[2]))
-    grid = (num_tokens, triton.cdiv(num_kv_heads, config.BLOCK_H))
+    grid = (triton.cdiv(num_tokens, config.BLOCK_T), triton.cdiv(num_kv_heads, config.BLOCK_H))
     _ring_write_kernel[grid](
-        k, v, slot_mapping, k_cache, v_cache,
+        k, v, slot_mapping, k_cache, v_cache, num_tokens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HKV=num_kv_heads, D=head_dim, DV=v.shape[2], BS=k_cache.shape[1],
-        BLOCK_H=config.BLOCK_H, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_DV=triton.next_power_of_2(v.shape[2]),
+        BLOCK_T=config.BLOCK_T, BLOCK_H=config.BLOCK_H,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_DV=triton.next_power_of_2(v.shape[2]),
         num_warps=config.num_warps,
     )  # fmt: skip

@@ -6,7 +6,13 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from ringkv.kernels.configs import MAX_BLOCK_M, MAX_SPLITS, select_attention_config, select_write_config
+from ringkv.kernels.configs import (
+    MAX_BLOCK_M,
+    MAX_SPLITS,
+    WriteConfig,
+    select_attention_config,
+    select_write_config,
+)
 
 
 def _select(**overrides):
@@ -49,5 +55,6 @@ def test_select_config_ignores_positions():
 
 
 def test_select_write_config():
-    assert select_write_config(num_kv_heads=8, head_dim=128).BLOCK_H == 8
-    assert select_write_config(num_kv_heads=64, head_dim=256).BLOCK_H == 16
+    assert select_write_config(num_kv_heads=8, head_dim=128) == WriteConfig(BLOCK_T=8, BLOCK_H=8, num_warps=4)
+    assert select_write_config(num_kv_heads=64, head_dim=256) == WriteConfig(BLOCK_T=1, BLOCK_H=32, num_warps=4)
+    assert select_write_config(num_kv_heads=1, head_dim=59) == WriteConfig(BLOCK_T=128, BLOCK_H=1, num_warps=4)
