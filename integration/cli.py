@@ -76,6 +76,8 @@ def admission(
     plot: Path = typer.Option(Path("admission.png"), help="PNG of drafter blocks vs context"),
 ) -> None:
     """vLLM #55800 under vLLM's real Scheduler and KVCacheManager (CPU): stock drafter vs ringkv's ring."""
+    # vLLM's INFO lines would bury the table; VLLM_LOGGING_LEVEL=INFO brings them back
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from tqdm import tqdm
 
     from .plots import plot_drafter_blocks
@@ -130,6 +132,44 @@ def admission(
         typer.echo(f"  {name.ljust(width)}  {stock:<28} {ring_value}")
     path = plot_drafter_blocks(series, plot, "Drafter KV blocks held (vLLM Scheduler, CPU)")
     typer.echo(f"plot: {path}")
+
+
+@app.command()
+def smoke(
+    context: int = typer.Option(262_144, help="prompt positions whose drafter K/V go through the ring"),
+    steps: int = typer.Option(32, help="draft steps, each accepting a random 1..B tokens"),
+    chunk: int = typer.Option(8192, help="prefill chunk"),
+    window: int = typer.Option(2048),
+    block_size: int = typer.Option(8, help="draft block B (num_speculative_tokens + 1)"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Drafter-level long-context smoke: ring KV vs a full-history cache, every step under the tolerance rule."""
+    device = _kernel_device()
+    from ringkv.dflash2.smoke import run_smoke
+    from tqdm import tqdm
+
+    bars = {"prefill": tqdm(total=context, desc="context K/V through the ring", unit="tok", leave=False),
+            "draft": tqdm(total=steps, desc="draft steps vs full history", unit="step", leave=False)}  # fmt: skip
+
+    def progress(phase: str, done: int) -> None:
+        bars[phase].update(done - bars[phase].n)
+
+    result = run_smoke(context, steps, chunk=chunk, window=window, block_size=block_size, seed=seed,
+                       device=str(device), progress=progress)  # fmt: skip
+    for bar in bars.values():
+        bar.close()
+    mode = "GPU" if device.type == "cuda" else "CPU, Triton interpreter"
+    typer.echo(f"DFlash2 drafter smoke ({mode}; tiny random drafter, W {window}, B {block_size})")
+    typer.echo(_table([
+        ("context positions / draft steps", f"{result.context} / {result.steps} (ended at {result.final_position})"),
+        ("max |ring logits - full-history fp64|",
+         f"{result.max_error:.3e} (bound {result.bound:.3e}, step {result.worst_step})"),
+        ("drafter KV bytes: ring / full history", f"{result.ring_kv_bytes:,} / {result.full_kv_bytes:,}"),
+        ("wall time", f"{result.seconds:.1f} s"),
+        ("result", "PASS" if result.ok else "FAIL"),
+    ]))  # fmt: skip
+    if not result.ok:
+        raise typer.Exit(1)
 
 
 if __name__ == "__main__":

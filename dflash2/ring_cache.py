@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The drafter's K/V storage: a ring of R blocks per request for each sliding layer (``ring``), or every
+position kept (``full``, the reference a ring must match). Full-attention layers always keep every position:
+they are not ring-backed."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from ringkv.kernels import ring_attention, ring_attention_reference, ring_write, ring_write_reference
+from ringkv.kernels.ring_geometry import RingPlan, visible
+
+from .config import DFlashConfig, LayerAttention
+
+UNBOUNDED = 1 << 40
+
+
+def full_history_attention(
+    q: torch.Tensor, k_hist: torch.Tensor, v_hist: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+    committed: int, window: int, causal: bool, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """One block over the linear history ``[0, committed)`` plus itself, masked by absolute position (SDPA)."""
+    block = q.shape[0]
+    q_pos = torch.arange(committed, committed + block, device=q.device)
+    k_pos = torch.arange(0, committed + block, device=q.device)
+    mask = visible(q_pos[:, None], k_pos[None, :], window, causal)
+    keys = torch.cat([k_hist[:committed], k_new]).float().transpose(0, 1)[None]
+    values = torch.cat([v_hist[:committed], v_new]).float().transpose(0, 1)[None]
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], keys, values, attn_mask=mask[None, None], scale=scale, enable_gqa=True
+    )
+    return out[0].transpose(0, 1).to(q.dtype)
+
+
+class DraftKVCache:
+    """K/V for ``num_requests`` requests of one drafter.
+
+    Args:
+        mode: ``"ring"`` (sliding layers in rings of ``RingPlan(W, kv_block_size, B).num_blocks`` blocks) or
+            ``"full"`` (every position, the full-history reference).
+        attention: ``"triton"`` (``ring_write`` / ``ring_attention``; GPU, or CPU under TRITON_INTERPRET=1)
+            or ``"reference"`` (the PyTorch reference on the same ring).
+        max_positions: capacity of full caches (full mode, full-attention layers).
+    """
+
+    def __init__(
+        self,
+        config: DFlashConfig,
+        num_requests: int,
+        *,
+        mode: Literal["ring", "full"] = "ring",
+        attention: Literal["triton", "reference"] = "triton",
+        kv_block_size: int = 16,
+        max_positions: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config, self.mode, self.attention = config, mode, attention
+        self.num_requests, self.device, self.dtype = num_requests, torch.device(device), dtype
+        self.scale = config.head_dim**-0.5
+        shape = (config.num_kv_heads, config.head_dim)
+        self.plans: list[RingPlan | None] = []
+        self.rings: list[torch.Tensor | None] = []
+        self.storage: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in config.layers:
+            if mode == "ring" and layer.ring_backed:
+                plan = RingPlan(layer.window, kv_block_size, config.block_size)
+                blocks = num_requests * plan.num_blocks + 1
+                ring_ids = torch.arange(1, blocks, dtype=torch.int32, device=self.device)
+                self.rings.append(ring_ids.view(num_requests, plan.num_blocks))
+                pool = (blocks, kv_block_size, *shape)
+            else:
+                if max_positions is None:
+                    raise ValueError("a full cache (mode='full' or a full-attention layer) needs max_positions")
+                plan = None
+                self.rings.append(None)
+                pool = (num_requests, max_positions, *shape)
+            self.plans.append(plan)
+            # never-written slots are NaN: a read of one poisons the output
+            self.storage.append((torch.full(pool, float("nan"), dtype=dtype, device=self.device),
+                                 torch.full(pool, float("nan"), dtype=dtype, device=self.device)))  # fmt: skip
+
+    def nbytes(self) -> int:
+        """Bytes of K/V storage."""
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.storage)
+
+    def write(self, layer: int, request: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Context rows of consecutive committed ``positions``; ring layers drop positions that are dead."""
+        plan, ring = self.plans[layer], self.rings[layer]
+        k_store, v_store = self.storage[layer]
+        if plan is None:
+            k_store[request, positions] = k.to(self.dtype)
+            v_store[request, positions] = v.to(self.dtype)
+            return
+        slots = plan.slot_mapping(positions.to(self.device), ring[request], committed_end=int(positions[-1]) + 1)
+        keep = slots >= 0
+        # only live rows travel to the kernel (a chunk longer than the ring is mostly dead)
+        rows = (k.to(self.dtype)[keep].contiguous(), v.to(self.dtype)[keep].contiguous())
+        write = ring_write if self.attention == "triton" else ring_write_reference
+        write(*rows, k_store, v_store, slots[keep])
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, committed: list[int], block: int
+    ) -> torch.Tensor:
+        """``[N*B, Hq, D]`` attention of N equal draft blocks over their context and themselves."""
+        spec: LayerAttention = self.config.layers[layer]
+        window = spec.window or UNBOUNDED
+        plan, ring = self.plans[layer], self.rings[layer]
+        k_store, v_store = self.storage[layer]
+        if plan is None:
+            return torch.cat([
+                full_history_attention(q[r * block:(r + 1) * block], k_store[r], v_store[r],
+                                       k_new[r * block:(r + 1) * block], v_new[r * block:(r + 1) * block],
+                                       p, window, spec.causal, self.scale)
+                for r, p in enumerate(committed)
+            ])  # fmt: skip
+        starts = torch.arange(0, block * len(committed) + 1, block, dtype=torch.int32, device=self.device)
+        seq_lens = torch.tensor([p + block for p in committed], dtype=torch.int32, device=self.device)
+        args = (q.to(self.dtype), k_new.to(self.dtype), v_new.to(self.dtype), k_store, v_store, ring[: len(committed)],
+                starts, seq_lens)  # fmt: skip
+        options = {"window": window, "causal": spec.causal, "scale": self.scale, "table_period": plan.num_blocks}
+        if self.attention == "triton":
+            return ring_attention(*args, **options, max_query_len=block).to(q.dtype)
+        return ring_attention_reference(*args, **options).to(q.dtype)

@@ -1,0 +1,120 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The DFlash2 drafter on ring KV: checkpoint round trip, block-local convolution, ring == full history,
+lossless speculative decoding against a transformers target, and the long-context smoke at CI size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ringkv.dflash2.model import DFlash2Drafter, GroupedBlockConv
+from ringkv.dflash2.ring_cache import DraftKVCache
+from ringkv.dflash2.smoke import run_smoke
+from ringkv.dflash2.spec_decode import TargetModel, greedy_reference, speculative_generate
+from ringkv.dflash2.tiny import random_drafter, tiny_config, tiny_target
+from ringkv.kernels.tolerance import attention_error
+
+pytestmark = pytest.mark.interpreter
+
+
+def test_checkpoint_round_trip(tmp_path):
+    config = tiny_config()
+    drafter = random_drafter(config, seed=3)
+    drafter.save_pretrained(tmp_path)
+    loaded = DFlash2Drafter.from_pretrained(tmp_path)
+    assert loaded.config == config
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name]), name
+
+
+def test_block_convolution_never_crosses_a_block_edge():
+    torch.manual_seed(0)
+    conv = GroupedBlockConv(hidden_size=32, taps=2, group_size=16, block_size=4)
+    torch.nn.init.normal_(conv.base_kernel)
+    x = torch.randn(12, 32)
+    y, coefficients = conv.prepare(x)
+    changed = x.clone()
+    changed[4:8] += 10.0  # block 1 only
+    y_changed, _ = conv.prepare(changed)
+    assert torch.equal(y[:4], y_changed[:4]) and torch.equal(y[8:], y_changed[8:])
+    assert not torch.equal(y[4:8], y_changed[4:8])
+    assert conv.finish(x, coefficients).shape == x.shape
+
+
+def drafts_from(cache_kind: str, steps: int = 6):
+    """Drafter logits for a few blocks over a 60-token history with W = 16 (the ring wraps many times)."""
+    config = tiny_config(window=16, block_size=4)
+    drafter = random_drafter(config, seed=1)
+    embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    torch.manual_seed(5)
+    features = torch.randn(60 + 4 * steps, drafter.fc.in_features)
+    if cache_kind == "ring":
+        cache = DraftKVCache(config, 1, kv_block_size=4)
+    else:
+        cache = DraftKVCache(config, 1, mode="full", max_positions=200)
+    logits, committed = [], 0
+    with torch.no_grad():
+        for end in [60] + [60 + 3 * i for i in range(1, steps + 1)]:
+            drafter.write_context(cache, 0, features[committed:end], torch.arange(committed, end))
+            committed = end
+            logits.append(drafter.draft(cache, torch.tensor([7]), [committed], embed, head)[1])
+    return torch.stack(logits)
+
+
+def test_ring_drafts_match_the_full_history_cache():
+    ring, full = drafts_from("ring"), drafts_from("full")
+    report = attention_error(ring, full.double(), full)
+    assert report.max_error <= max(report.bound, 1e-5), report
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_speculative_decoding_is_lossless(seed):
+    config = tiny_config(window=16, block_size=4)
+    target = TargetModel(tiny_target(seed=seed), config.target_layer_ids)
+    drafter = random_drafter(config, seed=seed)
+    prompt = [(7 * i + seed) % 120 + 3 for i in range(37)]
+    expected = greedy_reference(target, prompt, 30)
+    result = speculative_generate(target, drafter, DraftKVCache(config, 1, kv_block_size=4), prompt, 30)
+    assert result.tokens == expected
+
+
+class PartlyRightDrafter:
+    """Drafts the target's own continuation with a random wrong token now and then (exercises acceptance)."""
+
+    def __init__(self, drafter: DFlash2Drafter, continuation: list[int], prompt_len: int, seed: int) -> None:
+        self.inner, self.continuation, self.prompt_len = drafter, continuation, prompt_len
+        self.config = drafter.config
+        self.generator = torch.Generator().manual_seed(seed)
+        self.context_rows: list[int] = []
+
+    def write_context(self, cache, request, features, positions) -> None:
+        self.context_rows.extend(positions.tolist())
+        self.inner.write_context(cache, request, features, positions)
+
+    def draft(self, cache, anchors, committed, embed, head):
+        self.inner.draft(cache, anchors, committed, embed, head)
+        start = committed[0] - self.prompt_len + 1
+        drafts = torch.tensor(self.continuation[start : start + self.config.block_size - 1])
+        drafts = torch.nn.functional.pad(drafts, (0, self.config.block_size - 1 - len(drafts)))
+        wrong = torch.rand(drafts.shape, generator=self.generator) < 0.25
+        return torch.where(wrong, (drafts + 1) % 120, drafts)[None], None
+
+
+def test_partial_acceptance_stays_lossless_and_writes_accepted_rows_only():
+    config = tiny_config(window=16, block_size=4)
+    target = TargetModel(tiny_target(seed=2), config.target_layer_ids)
+    prompt = list(range(3, 30))
+    expected = greedy_reference(target, prompt, 60)
+    drafter = PartlyRightDrafter(random_drafter(config), expected, len(prompt), seed=0)
+    result = speculative_generate(target, drafter, DraftKVCache(config, 1, kv_block_size=4), prompt, 40)
+    assert result.tokens == expected[:40]
+    assert max(result.accepted_per_step) == config.block_size - 1 and min(result.accepted_per_step) == 0
+    assert result.mean_acceptance_length > 1.5
+    # every committed position written exactly once, none beyond what was accepted
+    assert drafter.context_rows == list(range(len(drafter.context_rows)))
+
+
+def test_long_context_smoke_at_ci_size():
+    result = run_smoke(context=5000, steps=6, chunk=2048, window=2048, block_size=8)
+    assert result.ok, result
+    assert result.ring_kv_bytes < result.full_kv_bytes
