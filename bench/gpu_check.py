@@ -3,10 +3,11 @@
 
 1. the kernel test-suite natively on the GPU (``pytest tests/kernels -m interpreter``), then bf16 cases on
    the DFlash2 shape against the fp64 reference, each repeated 10x and required bitwise equal;
-2. ``ring_attention`` on the DFlash2 drafter shape (32 q / 8 kv heads, hd 128, W 2048, B 8 and 16,
-   N = 1/8/64/256 requests), ``triton.testing.do_bench`` medians (p20/p80; do_bench flushes L2 between
-   reps), GB/s and % of 4.3 TB/s, beside FlexAttention (sliding-window mask) and SDPA on the same inputs,
-   each gated on correctness.
+2. ``ring_attention`` on the named shapes (DFlash2 32 q / 8 kv / hd 128; 16 / 2 / 256; 64 / 8 / 128; W 2048),
+   B 8 and 16, N = 1/8/64/256 requests: ``triton.testing.do_bench`` medians with p20/p80, GB/s and % of
+   4.3 TB/s; cold L2 by rotating over >= 6 x 50 MB of distinct ring sets; CUDA-graph replay for N <= 8;
+   FlexAttention (sliding-window mask) and SDPA on the same inputs for the DFlash2 shape, each provider
+   gated on correctness, baselines stopped at ``--budget-s``.
 
 Usage: ``python3 bench/gpu_check.py --out $OUT`` on the GPU; ``--smoke`` runs a tiny CPU/interpreter
 version of every step (what CI runs to keep this script working).
@@ -48,33 +49,40 @@ def build_batch(shape: Shape, num_reqs: int, block: int, committed: int, dtype, 
     from ringkv.kernels import RingPlan, ring_write
 
     plan = RingPlan(shape.window, shape.block_size, lookahead=max(block, 8))
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    # generated where it is used: a 256-request batch is gigabytes
+    generator = torch.Generator(device=device).manual_seed(seed)
     num_blocks = num_reqs * plan.num_blocks + 1
     pool = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
     k_cache = torch.full(pool, float("nan"), dtype=dtype, device=device)
     v_cache = torch.full(pool, float("nan"), dtype=dtype, device=device)
-    rings = (torch.randperm(num_blocks - 1, generator=generator) + 1).view(num_reqs, plan.num_blocks).to(torch.int32)
+    rings = torch.randperm(num_blocks - 1, generator=generator, device=device) + 1
+    rings = rings.view(num_reqs, plan.num_blocks).to(torch.int32)
     context = torch.arange(max(0, committed - (shape.window - 1)), committed)
     ctx_len = len(context)
-    k_ctx = torch.randn(num_reqs, ctx_len, shape.num_kv_heads, shape.head_dim, generator=generator).to(dtype)
-    v_ctx = torch.randn(num_reqs, ctx_len, shape.num_kv_heads, shape.head_dim, generator=generator).to(dtype)
+
+    def randn(*size: int):
+        return torch.randn(*size, generator=generator, device=device).to(dtype)
+
+    k_ctx = randn(num_reqs, ctx_len, shape.num_kv_heads, shape.head_dim)
+    v_ctx = randn(num_reqs, ctx_len, shape.num_kv_heads, shape.head_dim)
+    context = context.to(device)
     for r in range(num_reqs):
         slots = plan.slot_mapping(context, rings[r], committed_end=committed)
-        ring_write(k_ctx[r].to(device), v_ctx[r].to(device), k_cache, v_cache, slots.to(device))
+        ring_write(k_ctx[r], v_ctx[r], k_cache, v_cache, slots)
     tokens = num_reqs * block
-    q = torch.randn(tokens, shape.num_q_heads, shape.head_dim, generator=generator).to(dtype).to(device)
-    k_new = torch.randn(tokens, shape.num_kv_heads, shape.head_dim, generator=generator).to(dtype).to(device)
-    v_new = torch.randn(tokens, shape.num_kv_heads, shape.head_dim, generator=generator).to(dtype).to(device)
+    q = randn(tokens, shape.num_q_heads, shape.head_dim)
+    k_new = randn(tokens, shape.num_kv_heads, shape.head_dim)
+    v_new = randn(tokens, shape.num_kv_heads, shape.head_dim)
     args = {
         "q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache,
-        "block_table": rings.to(device),
+        "block_table": rings,
         "query_start_loc": torch.arange(0, tokens + 1, block, dtype=torch.int32, device=device),
         "seq_lens": torch.full((num_reqs,), committed + block, dtype=torch.int32, device=device),
         "window": shape.window, "causal": False, "table_period": plan.num_blocks,
     }  # fmt: skip
     # dense layout [N, H, L, D]: context then the block's own keys
-    k_dense = torch.cat([k_ctx.to(device), k_new.view(num_reqs, block, *k_new.shape[1:])], 1).transpose(1, 2)
-    v_dense = torch.cat([v_ctx.to(device), v_new.view(num_reqs, block, *v_new.shape[1:])], 1).transpose(1, 2)
+    k_dense = torch.cat([k_ctx, k_new.view(num_reqs, block, *k_new.shape[1:])], 1).transpose(1, 2)
+    v_dense = torch.cat([v_ctx, v_new.view(num_reqs, block, *v_new.shape[1:])], 1).transpose(1, 2)
     q_dense = q.view(num_reqs, block, *q.shape[1:]).transpose(1, 2)
     return args, (q_dense.contiguous(), k_dense.contiguous(), v_dense.contiguous()), ctx_len
 
@@ -180,7 +188,45 @@ def bf16_cases(shape: Shape, device, smoke: bool) -> list[dict]:
     return rows
 
 
-def timing_rows(shape: Shape, device, smoke: bool, budget_s: float) -> list[dict]:
+SHAPES = {
+    "dflash2-32-8-128": Shape(32, 8, 128),
+    "16-2-256": Shape(16, 2, 256),
+    "64-8-128": Shape(64, 8, 128),
+}
+L2_BYTES = 50 * 2**20
+COLD_SETS_BYTES = 6 * L2_BYTES
+
+
+def rotating(calls: list) -> callable:
+    """One call per invocation, cycling through ring sets so each timed call reads KV not in L2."""
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(calls)
+        return calls[state["i"]]()
+
+    return call
+
+
+def graph_calls(calls: list) -> list:
+    """Each call captured once in a CUDA graph (vLLM runs the drafter in graphs); replays returned."""
+    import torch
+
+    replays = []
+    stream = torch.cuda.Stream()
+    for call in calls:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        replays.append(graph.replay)
+    return replays
+
+
+def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float) -> list[dict]:
     import torch
     from ringkv.kernels import ring_attention
     from ringkv.kernels.tolerance import attention_error
@@ -188,52 +234,59 @@ def timing_rows(shape: Shape, device, smoke: bool, budget_s: float) -> list[dict
     dtype = torch.bfloat16
     rows = []
     started = time.perf_counter()
-    grid = [(8, 1), (8, 8), (8, 64), (8, 256), (16, 1), (16, 8), (16, 64), (16, 256)]
+    grid = [(b, n) for b in (8, 16) for n in (1, 8, 64, 256)]
     if smoke:
         grid = [(8, 1)]
-    for block, num_reqs in grid:
-        committed = 262_136 if not smoke else 100
-        args, dense, ctx_len = build_batch(shape, num_reqs, block, committed, dtype, device)
-        out = torch.empty_like(args["q"])
-
-        def ringkv_call(args=args, out=out, block=block, committed=committed):
-            return ring_attention(**args, out=out, max_query_len=block, max_seq_len=committed + block)
-
-        ringkv_call()
-        check = gate(out, args)
-        kv_bytes = 2 * num_reqs * (ctx_len + block) * shape.num_kv_heads * shape.head_dim * dtype.itemsize
-        qo_bytes = 2 * num_reqs * block * shape.num_q_heads * shape.head_dim * dtype.itemsize
-        base = {"block": block, "num_reqs": num_reqs, "committed": committed, "dtype": str(dtype),
-                "bytes": kv_bytes + qo_bytes}  # fmt: skip
-        providers = {"ringkv": ringkv_call}
-        compile_flex = not smoke and time.perf_counter() - started < budget_s
-        providers.update(make_baselines(dense, ctx_len, block, shape.window, device, compile_flex))
-        for name, fn in providers.items():
-            row = {**base, "provider": name}
-            if isinstance(fn, Exception):
-                rows.append({**row, "error": repr(fn)})
-                continue
-            try:
-                result = fn()
-                if name == "ringkv":
-                    row.update(check)
-                else:
-                    ref = ringkv_call()
-                    report = attention_error(to_token_major(result, num_reqs, block), ref, ref)
-                    row["max_diff_vs_ringkv"] = report.max_error
-                if name != "ringkv" and time.perf_counter() - started > budget_s:
-                    rows.append({**row, "skipped": "time budget"})
+    for shape_name in shape_names:
+        shape = SHAPES[shape_name] if not smoke else Shape(4, 1, 16, 37, 8)
+        primary = shape_name == "dflash2-32-8-128"
+        for block, num_reqs in grid:
+            committed = 262_136 if not smoke else 100
+            per_set = 2 * num_reqs * (shape.window - 1 + block) * shape.num_kv_heads * shape.head_dim * dtype.itemsize
+            num_sets = 1 if smoke else max(1, min(32, -(-COLD_SETS_BYTES // per_set)))
+            batches = [build_batch(shape, num_reqs, block, committed, dtype, device, seed=s) for s in range(num_sets)]
+            args, dense, ctx_len = batches[0]
+            outs = [torch.empty_like(b[0]["q"]) for b in batches]
+            bounds = {"max_query_len": block, "max_seq_len": committed + block}
+            calls = [lambda a=b[0], o=o, bounds=bounds: ring_attention(**a, out=o, **bounds)
+                     for b, o in zip(batches, outs, strict=True)]  # fmt: skip
+            calls[0]()
+            check = gate(outs[0], args)
+            kv_bytes = 2 * num_reqs * (ctx_len + block) * shape.num_kv_heads * shape.head_dim * dtype.itemsize
+            qo_bytes = 2 * num_reqs * block * shape.num_q_heads * shape.head_dim * dtype.itemsize
+            base = {"shape": shape_name, "block": block, "num_reqs": num_reqs, "committed": committed,
+                    "dtype": str(dtype), "bytes": kv_bytes + qo_bytes, "ring_sets": num_sets}  # fmt: skip
+            providers = {"ringkv": rotating(calls)}
+            if device.type == "cuda" and num_reqs <= 8:
+                providers["ringkv-cudagraph"] = rotating(graph_calls(calls))
+            if primary or smoke:
+                compile_flex = not smoke and time.perf_counter() - started < budget_s
+                providers.update(make_baselines(dense, ctx_len, block, shape.window, device, compile_flex))
+            for name, fn in providers.items():
+                row = {**base, "provider": name}
+                if isinstance(fn, Exception):
+                    rows.append({**row, "error": repr(fn)})
                     continue
-                p50, p20, p80 = time_fn(fn, smoke)
-                gbps = row["bytes"] / (p50 * 1e-6) / 1e9
-                row.update({"us_p50": p50, "us_p20": p20, "us_p80": p80, "GBps": gbps,
-                            "pct_of_4.3TBps": 100 * gbps * 1e9 / HBM_BYTES_PER_S})  # fmt: skip
-            except Exception as error:
-                row["error"] = repr(error)[:500]
-            rows.append(row)
-        del args, dense, out
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+                try:
+                    result = fn()
+                    if name.startswith("ringkv"):
+                        row.update(check)
+                    else:
+                        report = attention_error(to_token_major(result, num_reqs, block), outs[0], outs[0])
+                        row["max_diff_vs_ringkv"] = report.max_error
+                    if not name.startswith("ringkv") and time.perf_counter() - started > budget_s:
+                        rows.append({**row, "skipped": "time budget"})
+                        continue
+                    p50, p20, p80 = time_fn(fn, smoke)
+                    gbps = row["bytes"] / (p50 * 1e-6) / 1e9
+                    row.update({"us_p50": p50, "us_p20": p20, "us_p80": p80, "GBps": gbps,
+                                "pct_of_4.3TBps": 100 * gbps * 1e9 / HBM_BYTES_PER_S})  # fmt: skip
+                except Exception as error:
+                    row["error"] = repr(error)[:500]
+                rows.append(row)
+            del batches, args, dense, outs, calls, providers
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -261,6 +314,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny CPU/interpreter run of every step")
     parser.add_argument("--budget-s", type=float, default=300.0, help="stop timing baselines after this")
     parser.add_argument("--skip-tests", action="store_true", help="skip the pytest subset")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="named shapes")
     options = parser.parse_args()
     if options.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -275,14 +329,14 @@ def main() -> int:
         print("test suite:", report["test_suite"]["tail"][-400:], flush=True)
     report["bf16"] = bf16_cases(shape, device, options.smoke)
     print(json.dumps(report["bf16"], indent=1), flush=True)
-    report["timing"] = timing_rows(shape, device, options.smoke, options.budget_s)
+    report["timing"] = timing_rows(options.shapes, device, options.smoke, options.budget_s)
     for row in report["timing"]:
         print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     out_dir = Path(options.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / ("gpu_check_smoke.json" if options.smoke else "gpu_check.json")).write_text(json.dumps(report, indent=1))
     failed = [r for r in report["bf16"] if not (r["ok"] and r["bitwise_repeats"])]
-    failed += [r for r in report["timing"] if r["provider"] == "ringkv" and not r.get("ok", False)]
+    failed += [r for r in report["timing"] if r["provider"].startswith("ringkv") and not r.get("ok", False)]
     return 1 if failed else 0
 
 

