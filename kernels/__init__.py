@@ -4,6 +4,7 @@
 from .reference import ring_attention_reference, ring_write_reference
 from .ring_attention import ring_attention
 from .ring_geometry import PAD_SLOT, RingPlan, ring_blocks_needed
+from .ring_prefill import ring_prefill_attention
 from .ring_write import ring_write
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "ring_attention",
     "ring_attention_reference",
     "ring_blocks_needed",
+    "ring_prefill_attention",
     "ring_write",
     "ring_write_reference",
 ]

@@ -95,8 +95,12 @@ def validate_attention_inputs(
     table_period: int | None,
     out: torch.Tensor | None,
     num_splits: int | None,
+    query_len_limit: int = MAX_QUERY_LEN,
 ) -> AttentionInputs:
-    """Check shapes, dtypes, devices and ring capacity of a ``ring_attention`` call; allocate ``out``."""
+    """Check shapes, dtypes, devices and ring capacity of a ``ring_attention`` call; allocate ``out``.
+
+    ``query_len_limit``: the most queries per request the kernel takes (draft blocks: ``MAX_QUERY_LEN``).
+    """
     _check_rank("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
     _check_rank("k_new", k_new, 3, "[num_tokens, num_kv_heads, head_dim]")
     _check_rank("v_new", v_new, 3, "[num_tokens, num_kv_heads, head_dim_v]")
@@ -143,8 +147,9 @@ def validate_attention_inputs(
         raise ValueError(f"num_splits={num_splits!r} must be an int >= 1 or None")
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_reqs else 1
-    if not 1 <= max_query_len <= MAX_QUERY_LEN:
-        raise ValueError(f"max_query_len={max_query_len} must be in 1..{MAX_QUERY_LEN} (a draft block, not a prefill)")
+    if not 1 <= max_query_len <= query_len_limit:
+        hint = "a draft block; use ring_prefill_attention for chunks" if query_len_limit == MAX_QUERY_LEN else ""
+        raise ValueError(f"max_query_len={max_query_len} must be in 1..{query_len_limit} {hint}".rstrip())
     block_size = k_cache.shape[1]
     width = block_table.shape[1]
     if table_period is None:
@@ -157,7 +162,8 @@ def validate_attention_inputs(
             )
         table_period = max(width, 1)
     else:
-        needed = ring_blocks_needed(window, block_size, max_query_len)
+        # a draft block's own K/V sit in the ring's slack; a prefill writes after reading (needs the window only)
+        needed = ring_blocks_needed(window, block_size, max_query_len if query_len_limit == MAX_QUERY_LEN else 1)
         if table_period < needed:
             raise ValueError(
                 f"a ring of table_period={table_period} blocks cannot hold window={window} plus a block of "

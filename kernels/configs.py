@@ -106,3 +106,36 @@ def select_write_config(*, num_kv_heads: int, head_dim: int) -> WriteConfig:
     block_h = max(1, min(next_pow2(num_kv_heads), WRITE_TILE_ELEMENTS // block_d))
     block_t = max(1, WRITE_TILE_ELEMENTS // (block_h * block_d))
     return WriteConfig(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch shape of ``ring_prefill_attention``: ``BLOCK_Q`` queries x G heads (``BLOCK_M`` rows) per program."""
+
+    BLOCK_Q: int
+    BLOCK_M: int
+    TILE_N: int
+    BLOCK_D: int
+    BLOCK_DV: int
+    num_warps: int
+    num_stages: int
+
+
+# query rows per prefill program: a 64-row tile keeps register pressure moderate for head_dim 256
+PREFILL_BLOCK_M = 64
+
+
+def select_prefill_config(*, group_size: int, head_dim: int, head_dim_v: int) -> PrefillConfig:
+    """All G heads of a query in one program; as many queries as fill ``PREFILL_BLOCK_M`` rows."""
+    block_q = max(1, PREFILL_BLOCK_M // group_size)
+    block_d = max(MIN_DOT_DIM, next_pow2(head_dim))
+    block_dv = max(MIN_DOT_DIM, next_pow2(head_dim_v))
+    return PrefillConfig(
+        BLOCK_Q=block_q,
+        BLOCK_M=max(MIN_DOT_DIM, next_pow2(block_q * group_size)),
+        TILE_N=32 if max(block_d, block_dv) > 128 else 64,
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
+        num_warps=4,
+        num_stages=2,
+    )

@@ -161,17 +161,55 @@ class RingPlan:
         Returns:
             [T] int64 slots ``block_id * bs + p mod bs``.
         """
-        period = self.num_blocks if period is None else period
-        table = block_table.reshape(-1, block_table.shape[-1]).to(torch.int64)
-        rows = torch.zeros_like(positions) if request_index is None else request_index
-        positions = positions.to(torch.int64)
-        keep = positions >= 0
-        if committed_end is not None:
-            keep &= ~self.dead(positions, committed_end)
-        safe = torch.where(keep, positions, torch.zeros_like(positions))
-        block_ids = table[rows.to(torch.int64), ring_column(safe, self.block_size, period)]
-        slots = block_ids * self.block_size + torch.remainder(safe, self.block_size)
-        return torch.where(keep, slots, torch.full_like(slots, PAD_SLOT))
+        return table_slot_mapping(
+            positions, block_table, block_size=self.block_size, window=self.window,
+            period=self.num_blocks if period is None else period,
+            request_index=request_index, committed_end=committed_end,
+        )  # fmt: skip
+
+
+def table_slot_mapping(
+    positions: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    block_size: int,
+    window: int,
+    period: int,
+    request_index: torch.Tensor | None = None,
+    committed_end: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """``block_table[row, (p // bs) mod period] * bs + p mod bs``; PAD for ``p < 0`` and, given
+    ``committed_end``, for dead positions ``p < committed_end - (W - 1)`` (see ``RingPlan.slot_mapping``)."""
+    table = block_table.reshape(-1, block_table.shape[-1]).to(torch.int64)
+    rows = torch.zeros_like(positions) if request_index is None else request_index
+    positions = positions.to(torch.int64)
+    keep = positions >= 0
+    if committed_end is not None:
+        keep &= positions >= committed_end - (window - 1)
+    safe = torch.where(keep, positions, torch.zeros_like(positions))
+    block_ids = table[rows.to(torch.int64), ring_column(safe, block_size, period)]
+    slots = block_ids * block_size + torch.remainder(safe, block_size)
+    return torch.where(keep, slots, torch.full_like(slots, PAD_SLOT))
+
+
+def varlen_positions(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per token of a varlen batch: (request index, absolute position, the request's seq_len).
+
+    Request ``r``'s tokens ``query_start_loc[r] .. query_start_loc[r+1]-1`` sit at positions
+    ``seq_lens[r] - query_len .. seq_lens[r] - 1``. Tokens past ``query_start_loc[-1]`` get position -1.
+    No host sync.
+    """
+    tokens = torch.arange(num_tokens, device=query_start_loc.device)
+    request = torch.searchsorted(query_start_loc[1:].to(torch.int64), tokens, right=True)
+    inside = tokens < query_start_loc[-1]
+    request = torch.where(inside, request, torch.zeros_like(request)).clamp(max=seq_lens.shape[0] - 1)
+    starts = query_start_loc[:-1].to(torch.int64)[request]
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)[request]
+    ends = seq_lens.to(torch.int64)[request]
+    positions = ends - query_lens + (tokens - starts)
+    return request, torch.where(inside, positions, torch.full_like(positions, -1)), ends
 
 
 def last_writer_slots(slot_mapping: torch.Tensor) -> torch.Tensor:

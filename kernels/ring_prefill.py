@@ -1,0 +1,232 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Two-source sliding-window attention for prefill chunks over the ring (``ring_prefill_attention``); must
+match ``reference.ring_attention_reference`` (the same contract, any number of queries).
+
+A chunk of C queries at positions ``P..P+C-1`` reads its history ``[q - W + 1, P)`` from the ring and its own
+keys straight from the chunk's K/V tensor, so the chunk may be far longer than the ring. Only afterwards are
+the chunk's live rows (positions ``>= P + C - (W - 1)``) written to the ring (write-after-read): writing first
+would overwrite history the chunk's first queries still need.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_utils import is_interpreter
+from .attention_inputs import validate_attention_inputs
+from .configs import select_prefill_config
+from .ring_attention import LOG2E, _online_softmax_update
+from .ring_geometry import last_writer_slots, table_slot_mapping, varlen_positions
+from .ring_write import ring_write
+
+MAX_PREFILL_QUERY_LEN = 1 << 20
+
+
+@triton.jit
+def _ring_prefill_kernel(
+    # outputs
+    o_ptr,  # [T, HQ, DV]
+    # inputs
+    q_ptr,  # [T, HQ, D]
+    k_ptr,  # [T, HKV, D]   the chunk's own keys
+    v_ptr,  # [T, HKV, DV]
+    kc_ptr,  # [num_blocks, BS, HKV, D]   ring history (any strides)
+    vc_ptr,  # [num_blocks, BS, HKV, DV]
+    block_table_ptr,  # [num_reqs, width]
+    query_start_loc_ptr,  # [num_reqs + 1]
+    seq_lens_ptr,  # [num_reqs]
+    # scalars
+    qk_scale,
+    window,
+    table_period,
+    # strides
+    stride_o_t: tl.int64,
+    stride_o_h: tl.int64,
+    stride_q_t: tl.int64,
+    stride_q_h: tl.int64,
+    stride_k_t: tl.int64,
+    stride_k_h: tl.int64,
+    stride_v_t: tl.int64,
+    stride_v_h: tl.int64,
+    stride_kc_b: tl.int64,
+    stride_kc_s: tl.int64,
+    stride_kc_h: tl.int64,
+    stride_vc_b: tl.int64,
+    stride_vc_s: tl.int64,
+    stride_vc_h: tl.int64,
+    stride_bt_r: tl.int64,
+    stride_bt_c: tl.int64,
+    # constexprs
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    FP32_IEEE: tl.constexpr,
+):
+    i_r = tl.program_id(0).to(tl.int64)
+    i_qt = tl.program_id(1)
+    i_h = tl.program_id(2).to(tl.int64)
+    bos = tl.load(query_start_loc_ptr + i_r).to(tl.int64)
+    q_len = (tl.load(query_start_loc_ptr + i_r + 1) - bos).to(tl.int32)
+    committed = tl.load(seq_lens_ptr + i_r).to(tl.int32) - q_len
+    q0 = i_qt * BLOCK_Q
+    if q0 >= q_len:
+        return
+
+    # rows: [BLOCK_M] -> (query i, head g) query-major
+    o_m = tl.arange(0, BLOCK_M)
+    o_i = q0 + o_m // G
+    o_head = i_h * G + (o_m % G)
+    m_row = (o_m < BLOCK_Q * G) & (o_i < q_len)
+    q_pos = committed + o_i
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_d = o_d < D
+    m_dv = o_dv < DV
+    p_q = q_ptr + (bos + o_i.to(tl.int64))[:, None] * stride_q_t + o_head[:, None] * stride_q_h + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
+    if UPCAST:
+        b_q = b_q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    q_last = tl.minimum(q0 + BLOCK_Q, q_len) - 1
+
+    # source 1: history [max(0, P + q0 - W + 1), P) from the ring
+    for start in range(tl.maximum(committed + q0 - (window - 1), 0), committed, TILE_N):
+        k_pos = start + tl.arange(0, TILE_N)
+        m_k = k_pos < committed
+        col = (k_pos // BS) % table_period
+        b_blk = tl.load(block_table_ptr + i_r * stride_bt_r + col.to(tl.int64) * stride_bt_c, mask=m_k, other=0)
+        o_slot = b_blk.to(tl.int64) * stride_kc_b + (k_pos % BS).to(tl.int64) * stride_kc_s + i_h * stride_kc_h
+        o_vslot = b_blk.to(tl.int64) * stride_vc_b + (k_pos % BS).to(tl.int64) * stride_vc_s + i_h * stride_vc_h
+        b_k = tl.load(kc_ptr + o_slot[:, None] + o_d[None, :], mask=m_k[:, None] & m_d[None, :], other=0.0)
+        b_v = tl.load(vc_ptr + o_vslot[:, None] + o_dv[None, :], mask=m_k[:, None] & m_dv[None, :], other=0.0)
+        if UPCAST:
+            b_k = b_k.to(tl.float32)
+            b_v = b_v.to(tl.float32)
+        if FP32_IEEE:
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * qk_scale
+        else:
+            b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
+        m_vis = m_row[:, None] & m_k[None, :] & (q_pos[:, None] - k_pos[None, :] < window)
+        b_s = tl.where(m_vis, b_s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, b_s, b_v, FP32_IEEE)
+
+    # source 2: the chunk's own keys, from the lowest any row of this tile sees to the highest
+    new_lo = tl.maximum(committed + q0 - (window - 1), committed)
+    if CAUSAL:
+        new_hi = committed + q_last + 1
+    else:
+        new_hi = tl.minimum(committed + q_len, committed + q_last + window)
+    for start in range(new_lo, new_hi, TILE_N):
+        k_pos = start + tl.arange(0, TILE_N)
+        m_k = k_pos < new_hi
+        o_tok = bos + (k_pos - committed).to(tl.int64)
+        p_k = k_ptr + o_tok[:, None] * stride_k_t + i_h * stride_k_h + o_d[None, :]
+        p_v = v_ptr + o_tok[:, None] * stride_v_t + i_h * stride_v_h + o_dv[None, :]
+        b_k = tl.load(p_k, mask=m_k[:, None] & m_d[None, :], other=0.0)
+        b_v = tl.load(p_v, mask=m_k[:, None] & m_dv[None, :], other=0.0)
+        if UPCAST:
+            b_k = b_k.to(tl.float32)
+            b_v = b_v.to(tl.float32)
+        if FP32_IEEE:
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * qk_scale
+        else:
+            b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
+        delta = q_pos[:, None] - k_pos[None, :]
+        m_vis = m_row[:, None] & m_k[None, :] & (delta < window)
+        if CAUSAL:
+            m_vis = m_vis & (delta >= 0)
+        else:
+            m_vis = m_vis & (-delta < window)
+        b_s = tl.where(m_vis, b_s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, b_s, b_v, FP32_IEEE)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    b_o = acc / l_safe[:, None]
+    p_o = o_ptr + (bos + o_i.to(tl.int64))[:, None] * stride_o_t + o_head[:, None] * stride_o_h + o_dv[None, :]
+    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_row[:, None] & m_dv[None, :])
+
+
+def ring_prefill_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    window: int,
+    causal: bool,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    scale: float | None = None,
+    table_period: int | None = None,
+    out: torch.Tensor | None = None,
+    write_ring: bool = True,
+    slot_mapping: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attend a varlen batch of prefill chunks and decode rows, then store its live rows in the ring.
+
+    Window convention (``window = W``): a query at position ``q`` sees ``k`` iff ``q - k < W``, ``k >= 0``;
+    causal adds ``k <= q`` (FlashAttention ``(W-1, 0)``), non-causal ``k - q < W``. Request ``r``'s
+    ``C = query_start_loc[r+1] - query_start_loc[r]`` rows sit at ``P..P+C-1`` with ``P = seq_lens[r] - C``;
+    history ``< P`` is read from the ring through ``block_table`` (column ``(p // bs) mod table_period``,
+    ``None``: full logical rows), the rest from ``k_new``/``v_new``.
+
+    With ``write_ring`` the rows are written after the attention (write-after-read): through ``slot_mapping``
+    when given (vLLM's), else through ``block_table``; positions before ``seq_lens[r] - (W - 1)`` are dead
+    and never written, and of rows sharing a slot only the last is kept.
+
+    Args:
+        q: [T, Hq, D]; k: [T, Hkv, D]; v: [T, Hkv, Dv]. Caches: [num_blocks, bs, Hkv, D|Dv] views.
+        block_table: [num_reqs, width]; query_start_loc: [num_reqs + 1]; seq_lens: [num_reqs].
+
+    Returns:
+        [T, Hq, Dv] in ``q.dtype``.
+    """
+    inputs = validate_attention_inputs(
+        q, k_new, v_new, k_cache, v_cache, block_table, query_start_loc, seq_lens, window=window,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale, table_period=table_period, out=out,
+        num_splits=None, query_len_limit=MAX_PREFILL_QUERY_LEN,
+    )  # fmt: skip
+    out = inputs.out
+    num_tokens, _, head_dim = q.shape
+    if inputs.num_reqs and num_tokens:
+        config = select_prefill_config(group_size=inputs.group_size, head_dim=head_dim, head_dim_v=v_new.shape[-1])
+        grid = (inputs.num_reqs, triton.cdiv(inputs.max_query_len, config.BLOCK_Q), k_new.shape[1])
+        _ring_prefill_kernel[grid](
+            out, q, k_new, v_new, k_cache, v_cache, block_table, query_start_loc, seq_lens,
+            inputs.scale * LOG2E, window, inputs.table_period,
+            out.stride(0), out.stride(1), q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
+            v_new.stride(0), v_new.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), block_table.stride(1),
+            G=inputs.group_size, D=head_dim, DV=v_new.shape[-1], BS=k_cache.shape[1], BLOCK_Q=config.BLOCK_Q,
+            BLOCK_M=config.BLOCK_M, TILE_N=config.TILE_N, BLOCK_D=config.BLOCK_D, BLOCK_DV=config.BLOCK_DV,
+            CAUSAL=causal, UPCAST=is_interpreter(), FP32_IEEE=q.dtype == torch.float32,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+    if write_ring and num_tokens:
+        request, positions, ends = varlen_positions(query_start_loc, seq_lens, num_tokens)
+        if slot_mapping is None:
+            slots = table_slot_mapping(
+                positions, block_table, block_size=k_cache.shape[1], window=window,
+                period=inputs.table_period, request_index=request, committed_end=ends,
+            )  # fmt: skip
+        else:
+            dead = (positions < 0) | (positions < ends - (window - 1))
+            slots = torch.where(dead, torch.full_like(slot_mapping[:num_tokens], -1), slot_mapping[:num_tokens])
+        ring_write(k_new, v_new, k_cache, v_cache, last_writer_slots(slots))
+    return out

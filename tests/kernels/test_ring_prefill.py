@@ -1,0 +1,103 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ring_prefill_attention (Triton): two-source chunk attention against the reference, and write-after-read
+through chunks that wrap the ring several times."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ringkv.kernels import RingPlan, ring_attention, ring_prefill_attention
+
+from tests.testing import NAN, assert_attention_close, dense_oracle_rows, make_ring_case, reference_pair, stable_seed
+
+pytestmark = pytest.mark.interpreter
+
+# (requests [(P, C)], W, bs, Hq, Hkv, D, dtype, causal, full_rows)
+CASES = [
+    pytest.param([(100, 300), (0, 50), (37, 1)], 37, 8, 8, 2, 24, torch.float32, True, False, id="wraps-mixed-causal"),
+    pytest.param([(100, 300), (0, 50), (37, 1)], 37, 8, 8, 2, 24, torch.float32, False, False, id="wraps-mixed-noncausal"),
+    pytest.param([(0, 129), (5, 16)], 16, 16, 5, 1, 59, torch.float32, True, True, id="gqa5-D59-fullrows"),
+    pytest.param([(40, 70)], 1, 4, 4, 4, 32, torch.float32, True, False, id="W1"),
+    pytest.param([(300, 200), (17, 3)], 64, 16, 4, 1, 64, torch.float16, True, False, id="fp16"),
+    pytest.param([(64, 100)], 33, 8, 4, 1, 32, torch.bfloat16, False, True, id="bf16-fullrows"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("requests", "window", "bs", "hq", "hkv", "d", "dtype", "causal", "full_rows"), CASES)
+def test_ring_prefill_matches_reference(requests, window, bs, hq, hkv, d, dtype, causal, full_rows, device):
+    case = make_ring_case(
+        requests, window=window, block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype,
+        causal=causal, lookahead=1, full_rows=full_rows, pad_tokens=3, seed=stable_seed(requests, window, causal),
+    )  # fmt: skip
+    ref_hi, ref_lo = reference_pair(case)
+    case = case.to(device)
+    out = torch.full_like(ref_hi, NAN, device=device)
+    ring_prefill_attention(**case.kernel_args(), out=out, write_ring=False)
+    real = int(case.query_start_loc[-1])
+    assert torch.isnan(out[real:]).all(), "padding rows were written"
+    assert_attention_close(out[:real].cpu(), ref_hi[:real], ref_lo[:real], name="ring_prefill_attention", case=case)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_chunks_through_the_ring_then_decode_match_full_history(causal, device):
+    """Two requests, chunks of 5 / 150 / 1 / 90 tokens (W 24, ring of 5 x 8 slots), each attended and written
+    after reading; every chunk's output and a final decode block agree with SDPA over the whole history."""
+    window, bs, hq, hkv, d = 24, 8, 4, 2, 16
+    plan = RingPlan(window, bs, lookahead=4)
+    generator = torch.Generator().manual_seed(3)
+    num_blocks = 2 * plan.num_blocks + 1
+    k_cache = torch.full((num_blocks, bs, hkv, d), NAN, device=device)
+    v_cache = torch.full_like(k_cache, NAN)
+    table = (torch.randperm(num_blocks - 1, generator=generator)[: 2 * plan.num_blocks] + 1).view(2, -1)
+    table = table.to(torch.int32).to(device)
+    history = [(torch.zeros(0, hkv, d), torch.zeros(0, hkv, d)) for _ in range(2)]
+    for chunks in [(5, 150), (1, 90), (150, 1)]:
+        committed = [len(h[0]) for h in history]
+        rows = [torch.randn(c, hkv, d, generator=generator) for c in chunks]
+        vals = [torch.randn(c, hkv, d, generator=generator) for c in chunks]
+        q = torch.randn(sum(chunks), hq, d, generator=generator)
+        starts = torch.tensor([0, chunks[0], sum(chunks)], dtype=torch.int32)
+        seq_lens = torch.tensor([p + c for p, c in zip(committed, chunks, strict=True)], dtype=torch.int32)
+        out = ring_prefill_attention(
+            q.to(device), torch.cat(rows).to(device), torch.cat(vals).to(device), k_cache, v_cache, table,
+            starts.to(device), seq_lens.to(device), window=window, causal=causal, table_period=plan.num_blocks,
+        )  # fmt: skip
+        for r in range(2):
+            rows_r = slice(int(starts[r]), int(starts[r + 1]))
+            hi, lo = dense_oracle_rows(q[rows_r], rows[r], vals[r], [history[r]], [committed[r]], chunks[r],
+                                       window, causal)  # fmt: skip
+            assert_attention_close(out[rows_r].cpu(), hi, lo, name=f"chunk {chunks} request {r}")
+            history[r] = (torch.cat([history[r][0], rows[r]]), torch.cat([history[r][1], vals[r]]))
+    # a draft block after the chunks reads only what the writes left in the ring
+    block = 4
+    committed = [len(h[0]) for h in history]
+    q = torch.randn(2 * block, hq, d, generator=generator)
+    k_new, v_new = (
+        torch.randn(2 * block, hkv, d, generator=generator),
+        torch.randn(2 * block, hkv, d, generator=generator),
+    )
+    out = ring_attention(
+        q.to(device), k_new.to(device), v_new.to(device), k_cache, v_cache, table,
+        torch.tensor([0, block, 2 * block], dtype=torch.int32, device=device),
+        torch.tensor([p + block for p in committed], dtype=torch.int32, device=device),
+        window=window, causal=causal, table_period=plan.num_blocks,
+    )  # fmt: skip
+    hi, lo = dense_oracle_rows(q, k_new, v_new, history, committed, block, window, causal)
+    assert_attention_close(out.cpu(), hi, lo, name="decode after prefill chunks")
+
+
+def test_vllm_slot_mapping_drops_dead_rows_and_duplicates(device):
+    """With a caller's slot mapping (vLLM's), dead positions are not written and the last writer wins."""
+    case = make_ring_case([(0, 100)], window=16, block_size=4, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                          lookahead=1)  # fmt: skip
+    case = case.to(device)
+    plan = case.plan
+    positions = torch.arange(100, device=device)
+    # every position mapped through the ring without dropping dead ones: slots repeat every S positions
+    slots = plan.slot_mapping(positions, case.block_table[0])
+    ring_prefill_attention(**case.kernel_args(), slot_mapping=slots)
+    live = positions >= 100 - 15
+    stored = case.k_cache.flatten(0, 1)[slots[live]]
+    torch.testing.assert_close(stored, case.k_new[:100][live], atol=0, rtol=0)
+    written = (~torch.isnan(case.k_cache[..., 0, 0])).sum()
+    assert int(written) == 15
