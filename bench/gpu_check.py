@@ -16,6 +16,7 @@ version of every step (what CI runs to keep this script working).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -290,6 +291,99 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float) ->
     return rows
 
 
+def prefill_rows(device, smoke: bool, budget_s: float) -> list[dict]:
+    """``ring_prefill_attention`` on the DFlash2 shape, causal W 2048: one chunk of C tokens after 8192 tokens of
+    history in the ring, beside FlexAttention on the linearized [history, chunk]. TFLOP/s counts the keys each
+    row really sees (``2 * Hq * sum(visible keys) * (D + Dv)``). Gate: the reference on C = 512; SDPA in fp32 on
+    query slices for longer chunks."""
+    import torch
+    import torch.nn.functional as F
+    from ringkv.kernels import RingPlan, ring_prefill_attention, ring_write
+    from ringkv.kernels.ring_geometry import visible
+    from ringkv.kernels.tolerance import attention_error
+
+    shape = Shape() if not smoke else Shape(4, 1, 16, 37, 8)
+    window, dtype = shape.window, torch.bfloat16
+    committed = 8192 if not smoke else 100
+    rows = []
+    started = time.perf_counter()
+    for chunk in (512, 2048, 8192) if not smoke else (40,):
+        generator = torch.Generator(device=device).manual_seed(chunk)
+
+        def randn(*size: int, generator=generator):
+            return torch.randn(*size, generator=generator, device=device).to(dtype)
+
+        plan = RingPlan(window, shape.block_size, 1)
+        k_cache = torch.full((plan.num_blocks + 1, shape.block_size, shape.num_kv_heads, shape.head_dim), float("nan"),
+                             dtype=dtype, device=device)  # fmt: skip
+        v_cache = torch.full_like(k_cache, float("nan"))
+        ring = torch.arange(1, plan.num_blocks + 1, dtype=torch.int32, device=device)
+        history = torch.arange(committed - (window - 1), committed, device=device)
+        k_hist, v_hist = (randn(len(history), shape.num_kv_heads, shape.head_dim) for _ in range(2))
+        ring_write(k_hist, v_hist, k_cache, v_cache, plan.slot_mapping(history, ring, committed_end=committed))
+        q = randn(chunk, shape.num_q_heads, shape.head_dim)
+        k_new, v_new = (randn(chunk, shape.num_kv_heads, shape.head_dim) for _ in range(2))
+        starts = torch.tensor([0, chunk], dtype=torch.int32, device=device)
+        args = {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache,
+                "block_table": ring[None], "query_start_loc": starts,
+                "seq_lens": torch.tensor([committed + chunk], dtype=torch.int32, device=device), "window": window,
+                "causal": True, "table_period": plan.num_blocks}  # fmt: skip
+        out = torch.empty_like(q)
+
+        def ringkv_call(args=args, out=out, chunk=chunk):
+            return ring_prefill_attention(**args, out=out, max_query_len=chunk, write_ring=False)
+
+        ringkv_call()
+        q_pos = committed + torch.arange(chunk, device=device)
+        k_pos = torch.cat([history, q_pos])
+        keys = torch.cat([k_hist, k_new]).transpose(0, 1)[None]
+        values = torch.cat([v_hist, v_new]).transpose(0, 1)[None]
+        # exact reference: fp64 / same-dtype SDPA over slices of 512 queries with the absolute-position mask
+        ref = {torch.float64: [], dtype: []}
+        for lo in range(0, chunk, 512):
+            mask = visible(q_pos[lo : lo + 512, None], k_pos[None, :], window, True)
+            for ref_dtype in ref:
+                ref[ref_dtype].append(F.scaled_dot_product_attention(
+                    q[lo : lo + 512].transpose(0, 1)[None].to(ref_dtype), keys.to(ref_dtype), values.to(ref_dtype),
+                    attn_mask=mask[None, None], enable_gqa=True)[0].transpose(0, 1))  # fmt: skip
+        report = attention_error(out, torch.cat(ref[torch.float64]), torch.cat(ref[dtype]))
+        visible_keys = visible(q_pos[:, None], k_pos[None, :], window, True).sum().item()
+        flops = 2 * shape.num_q_heads * visible_keys * 2 * shape.head_dim
+        base = {"op": "prefill", "chunk": chunk, "committed": committed, "visible_keys": visible_keys,
+                "flops": flops, "dtype": str(dtype)}  # fmt: skip
+        providers = {"ringkv": ringkv_call}
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            offset = len(history)
+
+            def sliding_causal(b, h, q_idx, kv_idx, offset=offset):
+                return (q_idx + offset >= kv_idx) & (q_idx + offset - kv_idx < window)
+
+            block_mask = create_block_mask(sliding_causal, None, None, chunk, offset + chunk, device=str(device))
+            flex = flex_attention if smoke else torch.compile(flex_attention)
+            q_dense = q.transpose(0, 1)[None]
+            providers["torch-flex"] = functools.partial(flex, q_dense, keys, values, block_mask=block_mask,
+                                                        enable_gqa=True)  # fmt: skip
+        except Exception as error:
+            rows.append({**base, "provider": "torch-flex", "error": repr(error)[:500]})
+        for name, fn in providers.items():
+            row = {**base, "provider": name}
+            if name == "ringkv":
+                row.update({"max_error": report.max_error, "bound": report.bound, "ok": report.ok})
+            try:
+                if name != "ringkv" and time.perf_counter() - started > budget_s:
+                    rows.append({**row, "skipped": "time budget"})
+                    continue
+                fn()
+                p50, p20, p80 = time_fn(fn, smoke)
+                row.update({"us_p50": p50, "us_p20": p20, "us_p80": p80, "TFLOPs": flops / (p50 * 1e-6) / 1e12})
+            except Exception as error:
+                row["error"] = repr(error)[:500]
+            rows.append(row)
+    return rows
+
+
 def environment(device) -> dict:
     import torch
     import triton
@@ -330,13 +424,16 @@ def main() -> int:
     report["bf16"] = bf16_cases(shape, device, options.smoke)
     print(json.dumps(report["bf16"], indent=1), flush=True)
     report["timing"] = timing_rows(options.shapes, device, options.smoke, options.budget_s)
-    for row in report["timing"]:
+    report["prefill"] = prefill_rows(device, options.smoke, options.budget_s)
+    for row in report["timing"] + report["prefill"]:
         print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     out_dir = Path(options.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / ("gpu_check_smoke.json" if options.smoke else "gpu_check.json")).write_text(json.dumps(report, indent=1))
     failed = [r for r in report["bf16"] if not (r["ok"] and r["bitwise_repeats"])]
-    failed += [r for r in report["timing"] if r["provider"].startswith("ringkv") and not r.get("ok", False)]
+    failed += [
+        r for r in report["timing"] + report["prefill"] if r["provider"].startswith("ringkv") and not r.get("ok", False)
+    ]
     return 1 if failed else 0
 
 

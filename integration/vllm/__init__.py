@@ -28,4 +28,8 @@ def register() -> None:
     else:
         register_backend("RINGKV", BACKEND_PATH)
     honour_attention_backend_env(os.environ.get("VLLM_ATTENTION_BACKEND"))
+    if os.environ.get("RINGKV_CPU_SLIDING_RING") == "1":
+        from .cpu_sliding import enable_cpu_sliding_ring
+
+        enable_cpu_sliding_ring()
     _registered = True

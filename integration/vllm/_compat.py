@@ -41,6 +41,7 @@ _check_version(VLLM_VERSION)
 # ruff: noqa: E402 -- the imports below must follow the version check
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.engine.arg_utils import EngineArgs
+from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
 from vllm.v1.attention.backend import (
@@ -52,6 +53,11 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
     MultipleOf,
+)
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.core.block_pool import BlockPool
@@ -91,6 +97,9 @@ __all__ = [
     "AttentionSpec",
     "AttentionType",
     "BlockPool",
+    "CPUAttentionBackend",
+    "CPUAttentionBackendImpl",
+    "CPUAttentionMetadataBuilder",
     "CommonAttentionMetadata",
     "DraftTokenIds",
     "EngineArgs",
@@ -112,6 +121,7 @@ __all__ = [
     "VllmConfig",
     "ensure_builtin_kv_specs",
     "get_current_vllm_config_or_none",
+    "get_forward_context",
     "init_logger",
     "register_backend",
     "replace_as",

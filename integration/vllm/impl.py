@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Run step of the ring backend: the drafter's attention and context-KV write through ringkv's kernels.
+"""Run step of the ring backend: attention and KV writes through ringkv's kernels.
 
-The draft block's own K/V are read straight from ``key``/``value`` and never stored: they are not context
-(the next step's verified rows overwrite those positions anyway), so ``forward`` writes nothing.
-Context K/V (vLLM's ``precompute_and_store_context_kv``) arrive through ``do_kv_cache_update``.
+``forward`` reads the batch's own K/V straight from ``key``/``value`` (draft blocks: ``ring_attention``;
+longer chunks: ``ring_prefill_attention``) and only then stores the live new rows in the ring
+(write-after-read), for target sliding layers. A drafter's block rows are never context (the next step's
+verified rows take those positions), so draft layers store nothing in ``forward``; their context K/V
+(vLLM's ``precompute_and_store_context_kv``) arrive through ``do_kv_cache_update``.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from ringkv.kernels import ring_attention, ring_write
-from ringkv.kernels.ring_geometry import last_writer_slots
+from ringkv.kernels import ring_attention, ring_prefill_attention, ring_write
+from ringkv.kernels.attention_inputs import MAX_QUERY_LEN
+from ringkv.kernels.ring_geometry import PAD_SLOT, last_writer_slots, varlen_positions
 
 from ._compat import AttentionImpl, AttentionLayer, AttentionType
 from .metadata import RingAttentionMetadata
@@ -102,23 +105,26 @@ class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
         md = attn_metadata
         n = md.num_actual_tokens
         k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
-        ring_attention(
-            query[:n].view(n, self.num_heads, self.head_size),
-            key[:n].view(n, self.num_kv_heads, self.head_size),
-            value[:n].view(n, self.num_kv_heads, -1),
-            k_cache,
-            v_cache,
-            md.block_table,
-            md.query_start_loc,
-            md.seq_lens,
-            window=self.window,
-            causal=md.causal,
-            max_query_len=md.max_query_len,
-            max_seq_len=md.max_seq_len,
-            scale=self.scale,
-            out=output[:n].view(n, self.num_heads, -1),
-        )
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        k = key[:n].view(n, self.num_kv_heads, self.head_size)
+        v = value[:n].view(n, self.num_kv_heads, -1)
+        attend = ring_attention if md.max_query_len <= MAX_QUERY_LEN else ring_prefill_attention
+        options = {"write_ring": False} if attend is ring_prefill_attention else {}
+        attend(
+            q, k, v, k_cache, v_cache, md.block_table, md.query_start_loc, md.seq_lens,
+            window=self.window, causal=md.causal, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
+            scale=self.scale, out=output[:n].view(n, self.num_heads, -1), **options,
+        )  # fmt: skip
+        if md.persist_new_rows and n:
+            ring_write(k, v, k_cache, v_cache, self.live_slots(md, n))
         return output
+
+    def live_slots(self, md: RingAttentionMetadata, n: int) -> torch.Tensor:
+        """vLLM's slots of the batch's rows, PAD for rows no later query can see, the last writer of each slot."""
+        _, positions, ends = varlen_positions(md.query_start_loc, md.seq_lens, n)
+        slots = md.slot_mapping[:n]
+        dead = (positions < 0) | (positions < ends - (self.window - 1))
+        return last_writer_slots(torch.where(dead, torch.full_like(slots, PAD_SLOT), slots))
 
     def do_kv_cache_update(
         self,

@@ -27,6 +27,8 @@ class RingAttentionMetadata:
     block_table: torch.Tensor  # [num_reqs, width]   logical rows, entry j = ring[j % R] or null
     slot_mapping: torch.Tensor  # [num_tokens]
     causal: bool
+    # target sliding layers store their new rows after attending; a drafter's block rows are never context
+    persist_new_rows: bool
 
 
 def resolve_causal(causal: bool | torch.Tensor) -> bool:
@@ -45,6 +47,7 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.persist_new_rows = not getattr(kv_cache_spec, "is_draft", False)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -61,6 +64,7 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
             block_table=cm.block_table_tensor[: cm.num_reqs],
             slot_mapping=cm.slot_mapping,
             causal=resolve_causal(cm.causal),
+            persist_new_rows=self.persist_new_rows,
         )
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> RingAttentionMetadata:
