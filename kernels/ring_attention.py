@@ -13,29 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ._tiles import load_query_rows, load_ring_tile, load_row_tile, online_softmax_update, scores, visible_mask
 from ._triton_utils import device_sms, is_interpreter
 from .attention_inputs import AttentionInputs, validate_attention_inputs
 from .configs import AttentionConfig, select_attention_config
 from .ring_geometry import cdiv
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _online_softmax_update(m_i, l_i, acc, s, v, FP32_IEEE: tl.constexpr):
-    # s: [BLOCK_M, N] log2-domain scores with -inf where invisible; v: [N, BLOCK_DV]
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # rows that have seen no key yet keep m = -inf; pivot on 0 so exp2 gives 0, never NaN
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if FP32_IEEE:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -106,23 +90,13 @@ def _ring_attention_kernel(
     if q0 >= q_len:
         return
 
-    # rows: [BLOCK_M] -> (query i, head g) query-major
-    o_m = tl.arange(0, BLOCK_M)
-    o_i = q0 + o_m // G
-    o_head = i_h * G + (o_m % G)
-    m_row = (o_m < QUERIES_PER_BLOCK * G) & (o_i < q_len)
-    q_pos = committed + o_i
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
     m_d = o_d < D
     m_dv = o_dv < DV
-
-    # q: [BLOCK_M, BLOCK_D]
-    p_q = q_ptr + (bos + o_i.to(tl.int64))[:, None] * stride_q_t + o_head[:, None] * stride_q_h + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
-    if UPCAST:
-        b_q = b_q.to(tl.float32)
-
+    o_i, o_head, m_row, q_pos, b_q = load_query_rows(
+        q_ptr, bos, q0, q_len, committed, i_h, stride_q_t, stride_q_h, o_d, m_d, G, QUERIES_PER_BLOCK, BLOCK_M, UPCAST
+    )
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -134,49 +108,27 @@ def _ring_attention_kernel(
     for start in range(split_lo, split_hi, TILE_N):
         k_pos = start + tl.arange(0, TILE_N)
         m_k = k_pos < split_hi
-        col = (k_pos // BS) % table_period
-        b_blk = tl.load(block_table_ptr + i_r * stride_bt_r + col.to(tl.int64) * stride_bt_c, mask=m_k, other=0)
-        # slot offsets: [TILE_N]
-        o_slot = b_blk.to(tl.int64) * stride_kc_b + (k_pos % BS).to(tl.int64) * stride_kc_s + i_h * stride_kc_h
-        o_vslot = b_blk.to(tl.int64) * stride_vc_b + (k_pos % BS).to(tl.int64) * stride_vc_s + i_h * stride_vc_h
-        b_k = tl.load(kc_ptr + o_slot[:, None] + o_d[None, :], mask=m_k[:, None] & m_d[None, :], other=0.0)
-        b_v = tl.load(vc_ptr + o_vslot[:, None] + o_dv[None, :], mask=m_k[:, None] & m_dv[None, :], other=0.0)
-        if UPCAST:
-            b_k = b_k.to(tl.float32)
-            b_v = b_v.to(tl.float32)
-        if FP32_IEEE:
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * qk_scale
-        else:
-            b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
-        # context keys are < committed <= q, so only the left window edge can hide them
-        m_vis = m_row[:, None] & m_k[None, :] & (q_pos[:, None] - k_pos[None, :] < window)
-        b_s = tl.where(m_vis, b_s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, b_s, b_v, FP32_IEEE)
+        b_k, b_v = load_ring_tile(
+            kc_ptr, vc_ptr, block_table_ptr + i_r * stride_bt_r, k_pos, m_k, table_period,
+            i_h * stride_kc_h, i_h * stride_vc_h, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, stride_bt_c,
+            o_d, o_dv, m_d, m_dv, BS, UPCAST,
+        )  # fmt: skip
+        # context keys are < committed <= q: only the left window edge can hide them
+        b_s = tl.where(visible_mask(q_pos, k_pos, m_row, m_k, window, True), scores(b_q, b_k, qk_scale, FP32_IEEE),
+                       float("-inf"))  # fmt: skip
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, b_s, b_v, FP32_IEEE)
 
     # the block's own keys at positions committed .. committed + q_len - 1 (last split only)
     if i_s == NUM_SPLITS - 1:
         o_j = tl.arange(0, BLOCK_KB)
         m_j = o_j < q_len
-        kb_pos = committed + o_j
-        p_kn = kn_ptr + (bos + o_j.to(tl.int64))[:, None] * stride_kn_t + i_h * stride_kn_h + o_d[None, :]
-        p_vn = vn_ptr + (bos + o_j.to(tl.int64))[:, None] * stride_vn_t + i_h * stride_vn_h + o_dv[None, :]
-        b_k = tl.load(p_kn, mask=m_j[:, None] & m_d[None, :], other=0.0)
-        b_v = tl.load(p_vn, mask=m_j[:, None] & m_dv[None, :], other=0.0)
-        if UPCAST:
-            b_k = b_k.to(tl.float32)
-            b_v = b_v.to(tl.float32)
-        if FP32_IEEE:
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * qk_scale
-        else:
-            b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
-        delta = q_pos[:, None] - kb_pos[None, :]
-        m_vis = m_row[:, None] & m_j[None, :] & (delta < window)
-        if CAUSAL:
-            m_vis = m_vis & (delta >= 0)
-        else:
-            m_vis = m_vis & (-delta < window)
-        b_s = tl.where(m_vis, b_s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, b_s, b_v, FP32_IEEE)
+        b_k, b_v = load_row_tile(
+            kn_ptr, vn_ptr, bos + o_j.to(tl.int64), m_j, i_h * stride_kn_h, i_h * stride_vn_h, stride_kn_t,
+            stride_vn_t, o_d, o_dv, m_d, m_dv, UPCAST,
+        )  # fmt: skip
+        b_s = tl.where(visible_mask(q_pos, committed + o_j, m_row, m_j, window, CAUSAL),
+                       scores(b_q, b_k, qk_scale, FP32_IEEE), float("-inf"))  # fmt: skip
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, b_s, b_v, FP32_IEEE)
 
     # a row that saw no key outputs 0 (l = 0)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)

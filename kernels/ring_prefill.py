@@ -14,10 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ._tiles import load_query_rows, load_ring_tile, load_row_tile, online_softmax_update, scores, visible_mask
 from ._triton_utils import is_interpreter
 from .attention_inputs import validate_attention_inputs
 from .configs import select_prefill_config
-from .ring_attention import LOG2E, _online_softmax_update
+from .ring_attention import LOG2E
 from .ring_geometry import last_writer_slots, table_slot_mapping, varlen_positions
 from .ring_write import ring_write
 
@@ -82,20 +83,13 @@ def _ring_prefill_kernel(
     if q0 >= q_len:
         return
 
-    # rows: [BLOCK_M] -> (query i, head g) query-major
-    o_m = tl.arange(0, BLOCK_M)
-    o_i = q0 + o_m // G
-    o_head = i_h * G + (o_m % G)
-    m_row = (o_m < BLOCK_Q * G) & (o_i < q_len)
-    q_pos = committed + o_i
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
     m_d = o_d < D
     m_dv = o_dv < DV
-    p_q = q_ptr + (bos + o_i.to(tl.int64))[:, None] * stride_q_t + o_head[:, None] * stride_q_h + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
-    if UPCAST:
-        b_q = b_q.to(tl.float32)
+    o_i, o_head, m_row, q_pos, b_q = load_query_rows(
+        q_ptr, bos, q0, q_len, committed, i_h, stride_q_t, stride_q_h, o_d, m_d, G, BLOCK_Q, BLOCK_M, UPCAST
+    )
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -105,22 +99,14 @@ def _ring_prefill_kernel(
     for start in range(tl.maximum(committed + q0 - (window - 1), 0), committed, TILE_N):
         k_pos = start + tl.arange(0, TILE_N)
         m_k = k_pos < committed
-        col = (k_pos // BS) % table_period
-        b_blk = tl.load(block_table_ptr + i_r * stride_bt_r + col.to(tl.int64) * stride_bt_c, mask=m_k, other=0)
-        o_slot = b_blk.to(tl.int64) * stride_kc_b + (k_pos % BS).to(tl.int64) * stride_kc_s + i_h * stride_kc_h
-        o_vslot = b_blk.to(tl.int64) * stride_vc_b + (k_pos % BS).to(tl.int64) * stride_vc_s + i_h * stride_vc_h
-        b_k = tl.load(kc_ptr + o_slot[:, None] + o_d[None, :], mask=m_k[:, None] & m_d[None, :], other=0.0)
-        b_v = tl.load(vc_ptr + o_vslot[:, None] + o_dv[None, :], mask=m_k[:, None] & m_dv[None, :], other=0.0)
-        if UPCAST:
-            b_k = b_k.to(tl.float32)
-            b_v = b_v.to(tl.float32)
-        if FP32_IEEE:
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * qk_scale
-        else:
-            b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
-        m_vis = m_row[:, None] & m_k[None, :] & (q_pos[:, None] - k_pos[None, :] < window)
-        b_s = tl.where(m_vis, b_s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, b_s, b_v, FP32_IEEE)
+        b_k, b_v = load_ring_tile(
+            kc_ptr, vc_ptr, block_table_ptr + i_r * stride_bt_r, k_pos, m_k, table_period,
+            i_h * stride_kc_h, i_h * stride_vc_h, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, stride_bt_c,
+            o_d, o_dv, m_d, m_dv, BS, UPCAST,
+        )  # fmt: skip
+        b_s = tl.where(visible_mask(q_pos, k_pos, m_row, m_k, window, True), scores(b_q, b_k, qk_scale, FP32_IEEE),
+                       float("-inf"))  # fmt: skip
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, b_s, b_v, FP32_IEEE)
 
     # source 2: the chunk's own keys, from the lowest any row of this tile sees to the highest
     new_lo = tl.maximum(committed + q0 - (window - 1), committed)
@@ -131,26 +117,13 @@ def _ring_prefill_kernel(
     for start in range(new_lo, new_hi, TILE_N):
         k_pos = start + tl.arange(0, TILE_N)
         m_k = k_pos < new_hi
-        o_tok = bos + (k_pos - committed).to(tl.int64)
-        p_k = k_ptr + o_tok[:, None] * stride_k_t + i_h * stride_k_h + o_d[None, :]
-        p_v = v_ptr + o_tok[:, None] * stride_v_t + i_h * stride_v_h + o_dv[None, :]
-        b_k = tl.load(p_k, mask=m_k[:, None] & m_d[None, :], other=0.0)
-        b_v = tl.load(p_v, mask=m_k[:, None] & m_dv[None, :], other=0.0)
-        if UPCAST:
-            b_k = b_k.to(tl.float32)
-            b_v = b_v.to(tl.float32)
-        if FP32_IEEE:
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * qk_scale
-        else:
-            b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
-        delta = q_pos[:, None] - k_pos[None, :]
-        m_vis = m_row[:, None] & m_k[None, :] & (delta < window)
-        if CAUSAL:
-            m_vis = m_vis & (delta >= 0)
-        else:
-            m_vis = m_vis & (-delta < window)
-        b_s = tl.where(m_vis, b_s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, b_s, b_v, FP32_IEEE)
+        b_k, b_v = load_row_tile(
+            k_ptr, v_ptr, bos + (k_pos - committed).to(tl.int64), m_k, i_h * stride_k_h, i_h * stride_v_h,
+            stride_k_t, stride_v_t, o_d, o_dv, m_d, m_dv, UPCAST,
+        )  # fmt: skip
+        b_s = tl.where(visible_mask(q_pos, k_pos, m_row, m_k, window, CAUSAL),
+                       scores(b_q, b_k, qk_scale, FP32_IEEE), float("-inf"))  # fmt: skip
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, b_s, b_v, FP32_IEEE)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     b_o = acc / l_safe[:, None]
