@@ -7,7 +7,9 @@
    B 8 and 16, N = 1/8/64/256 requests: ``triton.testing.do_bench`` medians with p20/p80, GB/s and % of
    4.3 TB/s; cold L2 by rotating over >= 6 x 50 MB of distinct ring sets; CUDA-graph replay for N <= 8;
    FlexAttention (sliding-window mask) and SDPA on the same inputs for the DFlash2 shape, each provider
-   gated on correctness, baselines stopped at ``--budget-s``.
+   gated on correctness, baselines stopped at ``--budget-s``; prefill chunks C = 512/2048/8192 (TFLOP/s by
+   the keys each row sees) beside FlexAttention;
+3. the drafter-level smoke (``ringkv smoke``) at 262,144 positions, natively.
 
 Usage: ``python3 bench/gpu_check.py --out $OUT`` on the GPU; ``--smoke`` runs a tiny CPU/interpreter
 version of every step (what CI runs to keep this script working).
@@ -384,6 +386,14 @@ def prefill_rows(device, smoke: bool, budget_s: float) -> list[dict]:
     return rows
 
 
+def drafter_smoke(device, smoke: bool) -> dict:
+    """``ringkv smoke`` natively: the tiny DFlash2 drafter on ring KV at 262,144 positions vs full history."""
+    from ringkv.dflash2.smoke import run_smoke
+
+    result = run_smoke(context=262_144 if not smoke else 3000, steps=32 if not smoke else 2, device=str(device))
+    return {**asdict(result), "ok": result.ok}
+
+
 def environment(device) -> dict:
     import torch
     import triton
@@ -425,12 +435,15 @@ def main() -> int:
     print(json.dumps(report["bf16"], indent=1), flush=True)
     report["timing"] = timing_rows(options.shapes, device, options.smoke, options.budget_s)
     report["prefill"] = prefill_rows(device, options.smoke, options.budget_s)
+    report["drafter_smoke"] = drafter_smoke(device, options.smoke)
+    print("drafter smoke:", report["drafter_smoke"], flush=True)
     for row in report["timing"] + report["prefill"]:
         print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     out_dir = Path(options.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / ("gpu_check_smoke.json" if options.smoke else "gpu_check.json")).write_text(json.dumps(report, indent=1))
     failed = [r for r in report["bf16"] if not (r["ok"] and r["bitwise_repeats"])]
+    failed += [] if report["drafter_smoke"]["ok"] else [report["drafter_smoke"]]
     failed += [
         r for r in report["timing"] + report["prefill"] if r["provider"].startswith("ringkv") and not r.get("ok", False)
     ]
