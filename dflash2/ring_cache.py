@@ -10,11 +10,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from ringkv.kernels import ring_attention, ring_attention_reference, ring_write, ring_write_reference
-from ringkv.kernels.ring_geometry import RingPlan, visible
+from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, RingPlan, visible
 
 from .config import DFlashConfig, LayerAttention
-
-UNBOUNDED = 1 << 40
 
 
 def full_history_attention(
@@ -106,7 +104,7 @@ class DraftKVCache:
     ) -> torch.Tensor:
         """``[N*B, Hq, D]`` attention of N equal draft blocks over their context and themselves."""
         spec: LayerAttention = self.config.layers[layer]
-        window = spec.window or UNBOUNDED
+        window = spec.window or UNBOUNDED_WINDOW
         plan, ring = self.plans[layer], self.rings[layer]
         k_store, v_store = self.storage[layer]
         if plan is None:

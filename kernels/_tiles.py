@@ -137,3 +137,35 @@ def load_query_rows(
     if UPCAST:
         b_q = b_q.to(tl.float32)
     return o_i, o_head, m_row, committed + o_i, b_q
+
+
+@triton.jit
+def request_span(query_start_loc_ptr, seq_lens_ptr, i_r):
+    # request i_r's first token, its query count, and P: the positions before its queries
+    bos = tl.load(query_start_loc_ptr + i_r).to(tl.int64)
+    q_len = (tl.load(query_start_loc_ptr + i_r + 1) - bos).to(tl.int32)
+    return bos, q_len, tl.load(seq_lens_ptr + i_r).to(tl.int32) - q_len
+
+
+@triton.jit
+def attend_ring_range(
+    m_i, l_i, acc, b_q, q_pos, m_row,
+    lo, hi,  # ring history positions [lo, hi), all below every query
+    kc_ptr, vc_ptr, table_row_ptr, table_period, off_kh, off_vh,
+    stride_kc_b: tl.int64, stride_kc_s: tl.int64, stride_vc_b: tl.int64, stride_vc_s: tl.int64,
+    stride_bt_c: tl.int64,
+    o_d, o_dv, m_d, m_dv, qk_scale, window,
+    BS: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr, FP32_IEEE: tl.constexpr,
+):  # fmt: skip
+    for start in range(lo, hi, TILE_N):
+        k_pos = start + tl.arange(0, TILE_N)
+        m_k = k_pos < hi
+        b_k, b_v = load_ring_tile(
+            kc_ptr, vc_ptr, table_row_ptr, k_pos, m_k, table_period, off_kh, off_vh,
+            stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, stride_bt_c, o_d, o_dv, m_d, m_dv, BS, UPCAST,
+        )  # fmt: skip
+        # history keys are below every query: only the left window edge can hide them
+        b_s = tl.where(visible_mask(q_pos, k_pos, m_row, m_k, window, True), scores(b_q, b_k, qk_scale, FP32_IEEE),
+                       float("-inf"))  # fmt: skip
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, b_s, b_v, FP32_IEEE)
+    return m_i, l_i, acc

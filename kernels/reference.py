@@ -9,22 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from .ring_geometry import first_visible_position, ring_column, visible
+from .ring_geometry import first_visible_position, table_slot_mapping, visible
 
 
 def gather_ring(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rows of a ``[num_blocks, bs, H, D]`` cache view at flat ``slots`` ([n]) -> ``[n, H, D]``."""
     block_size = cache.shape[1]
     return cache[torch.div(slots, block_size, rounding_mode="floor"), torch.remainder(slots, block_size)]
-
-
-def context_slots(
-    positions: torch.Tensor, table_row: torch.Tensor, block_size: int, period: int | None
-) -> torch.Tensor:
-    """Flat ring slots of context ``positions`` ([n]) through one block-table row ([width])."""
-    period = table_row.shape[0] if period is None else period
-    block_ids = table_row.to(torch.int64)[ring_column(positions, block_size, period)]
-    return block_ids * block_size + torch.remainder(positions, block_size)
 
 
 def masked_softmax_attention(
@@ -91,7 +82,8 @@ def ring_attention_reference(
             continue
         committed = seq_len - num_queries
         ctx_pos = torch.arange(first_visible_position(committed, window), committed, device=q.device)
-        slots = context_slots(ctx_pos, block_table[request], block_size, table_period)
+        period = block_table.shape[1] if table_period is None else table_period
+        slots = table_slot_mapping(ctx_pos, block_table[request], block_size=block_size, window=window, period=period)
         block_pos = torch.arange(committed, seq_len, device=q.device)
         keys = torch.cat([gather_ring(k_cache, slots), k_new[begin:end]]).to(compute_dtype)
         values = torch.cat([gather_ring(v_cache, slots), v_new[begin:end]]).to(compute_dtype)

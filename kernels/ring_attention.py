@@ -13,7 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tiles import load_query_rows, load_ring_tile, load_row_tile, online_softmax_update, scores, visible_mask
+from ._tiles import (
+    attend_ring_range,
+    load_query_rows,
+    load_row_tile,
+    online_softmax_update,
+    request_span,
+    scores,
+    visible_mask,
+)
 from ._triton_utils import device_sms, is_interpreter
 from .attention_inputs import AttentionInputs, validate_attention_inputs
 from .configs import AttentionConfig, select_attention_config
@@ -83,9 +91,7 @@ def _ring_attention_kernel(
     i_h = (tl.program_id(1) // NUM_M_BLOCKS).to(tl.int64)
     i_mb = tl.program_id(1) % NUM_M_BLOCKS
     i_s = tl.program_id(2)
-    bos = tl.load(query_start_loc_ptr + i_r).to(tl.int64)
-    q_len = (tl.load(query_start_loc_ptr + i_r + 1) - bos).to(tl.int32)
-    committed = tl.load(seq_lens_ptr + i_r).to(tl.int32) - q_len
+    bos, q_len, committed = request_span(query_start_loc_ptr, seq_lens_ptr, i_r)
     q0 = i_mb * QUERIES_PER_BLOCK
     if q0 >= q_len:
         return
@@ -105,18 +111,12 @@ def _ring_attention_kernel(
     ctx_lo = tl.maximum(committed + q0 - (window - 1), 0)
     split_lo = ctx_lo + i_s * KEYS_PER_SPLIT
     split_hi = tl.minimum(split_lo + KEYS_PER_SPLIT, committed)
-    for start in range(split_lo, split_hi, TILE_N):
-        k_pos = start + tl.arange(0, TILE_N)
-        m_k = k_pos < split_hi
-        b_k, b_v = load_ring_tile(
-            kc_ptr, vc_ptr, block_table_ptr + i_r * stride_bt_r, k_pos, m_k, table_period,
-            i_h * stride_kc_h, i_h * stride_vc_h, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, stride_bt_c,
-            o_d, o_dv, m_d, m_dv, BS, UPCAST,
-        )  # fmt: skip
-        # context keys are < committed <= q: only the left window edge can hide them
-        b_s = tl.where(visible_mask(q_pos, k_pos, m_row, m_k, window, True), scores(b_q, b_k, qk_scale, FP32_IEEE),
-                       float("-inf"))  # fmt: skip
-        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, b_s, b_v, FP32_IEEE)
+    m_i, l_i, acc = attend_ring_range(
+        m_i, l_i, acc, b_q, q_pos, m_row, split_lo, split_hi,
+        kc_ptr, vc_ptr, block_table_ptr + i_r * stride_bt_r, table_period, i_h * stride_kc_h, i_h * stride_vc_h,
+        stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, stride_bt_c, o_d, o_dv, m_d, m_dv, qk_scale, window,
+        BS, TILE_N, UPCAST, FP32_IEEE,
+    )  # fmt: skip
 
     # the block's own keys at positions committed .. committed + q_len - 1 (last split only)
     if i_s == NUM_SPLITS - 1:

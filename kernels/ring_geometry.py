@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 PAD_SLOT = -1
+# the window of a full-attention layer served by the ring kernels: one no sequence reaches
+UNBOUNDED_WINDOW = 1 << 40
 
 
 def cdiv(a: int, b: int) -> int:
@@ -126,6 +128,11 @@ class RingPlan:
             raise ValueError(f"committed={committed} must be >= 0")
         return first_visible_position(committed, self.window), committed + self.lookahead
 
+    def live_blocks(self, committed: int) -> range:
+        """Logical blocks the live span of a step at committed ``P`` touches (at most R of them)."""
+        lo, hi = self.live_span(committed)
+        return range(lo // self.block_size, cdiv(hi, self.block_size))
+
     def check_step(self, query_len: int) -> None:
         """Raise if a step of ``query_len`` block tokens does not fit the ring's lookahead."""
         if query_len > self.lookahead:
@@ -134,10 +141,6 @@ class RingPlan:
                 f"(window={self.window}, block_size={self.block_size}, R={self.num_blocks}); "
                 f"plan the ring with lookahead >= {query_len}"
             )
-
-    def dead(self, positions: torch.Tensor, committed_end: torch.Tensor | int) -> torch.Tensor:
-        """Positions of a write batch ending at ``committed_end`` that no query can see any more."""
-        return positions < committed_end - (self.window - 1)
 
     def slot_mapping(
         self,
@@ -168,6 +171,19 @@ class RingPlan:
         )  # fmt: skip
 
 
+def written(positions: torch.Tensor, committed_end: torch.Tensor | int, window: int) -> torch.Tensor:
+    """Which rows of a write batch ending at ``committed_end`` (exclusive) are stored: ``p >= 0`` and not dead,
+    i.e. ``p >= committed_end - (W - 1)`` (a later query may still see them)."""
+    return (positions >= 0) & (positions >= committed_end - (window - 1))
+
+
+def pad_unwritten(
+    slots: torch.Tensor, positions: torch.Tensor, committed_end: torch.Tensor | int, window: int
+) -> torch.Tensor:
+    """A caller's slot mapping (vLLM's) with PAD for the rows ``written`` rejects."""
+    return torch.where(written(positions, committed_end, window), slots, torch.full_like(slots, PAD_SLOT))
+
+
 def table_slot_mapping(
     positions: torch.Tensor,
     block_table: torch.Tensor,
@@ -183,9 +199,7 @@ def table_slot_mapping(
     table = block_table.reshape(-1, block_table.shape[-1]).to(torch.int64)
     rows = torch.zeros_like(positions) if request_index is None else request_index
     positions = positions.to(torch.int64)
-    keep = positions >= 0
-    if committed_end is not None:
-        keep &= positions >= committed_end - (window - 1)
+    keep = positions >= 0 if committed_end is None else written(positions, committed_end, window)
     safe = torch.where(keep, positions, torch.zeros_like(positions))
     block_ids = table[rows.to(torch.int64), ring_column(safe, block_size, period)]
     slots = block_ids * block_size + torch.remainder(safe, block_size)

@@ -14,12 +14,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tiles import load_query_rows, load_ring_tile, load_row_tile, online_softmax_update, scores, visible_mask
+from ._tiles import (
+    attend_ring_range,
+    load_query_rows,
+    load_row_tile,
+    online_softmax_update,
+    request_span,
+    scores,
+    visible_mask,
+)
 from ._triton_utils import is_interpreter
 from .attention_inputs import validate_attention_inputs
 from .configs import select_prefill_config
 from .ring_attention import LOG2E
-from .ring_geometry import last_writer_slots, table_slot_mapping, varlen_positions
+from .ring_geometry import last_writer_slots, pad_unwritten, table_slot_mapping, varlen_positions
 from .ring_write import ring_write
 
 MAX_PREFILL_QUERY_LEN = 1 << 20
@@ -76,9 +84,7 @@ def _ring_prefill_kernel(
     i_r = tl.program_id(0).to(tl.int64)
     i_qt = tl.program_id(1)
     i_h = tl.program_id(2).to(tl.int64)
-    bos = tl.load(query_start_loc_ptr + i_r).to(tl.int64)
-    q_len = (tl.load(query_start_loc_ptr + i_r + 1) - bos).to(tl.int32)
-    committed = tl.load(seq_lens_ptr + i_r).to(tl.int32) - q_len
+    bos, q_len, committed = request_span(query_start_loc_ptr, seq_lens_ptr, i_r)
     q0 = i_qt * BLOCK_Q
     if q0 >= q_len:
         return
@@ -96,17 +102,12 @@ def _ring_prefill_kernel(
     q_last = tl.minimum(q0 + BLOCK_Q, q_len) - 1
 
     # source 1: history [max(0, P + q0 - W + 1), P) from the ring
-    for start in range(tl.maximum(committed + q0 - (window - 1), 0), committed, TILE_N):
-        k_pos = start + tl.arange(0, TILE_N)
-        m_k = k_pos < committed
-        b_k, b_v = load_ring_tile(
-            kc_ptr, vc_ptr, block_table_ptr + i_r * stride_bt_r, k_pos, m_k, table_period,
-            i_h * stride_kc_h, i_h * stride_vc_h, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, stride_bt_c,
-            o_d, o_dv, m_d, m_dv, BS, UPCAST,
-        )  # fmt: skip
-        b_s = tl.where(visible_mask(q_pos, k_pos, m_row, m_k, window, True), scores(b_q, b_k, qk_scale, FP32_IEEE),
-                       float("-inf"))  # fmt: skip
-        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, b_s, b_v, FP32_IEEE)
+    m_i, l_i, acc = attend_ring_range(
+        m_i, l_i, acc, b_q, q_pos, m_row, tl.maximum(committed + q0 - (window - 1), 0), committed,
+        kc_ptr, vc_ptr, block_table_ptr + i_r * stride_bt_r, table_period, i_h * stride_kc_h, i_h * stride_vc_h,
+        stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, stride_bt_c, o_d, o_dv, m_d, m_dv, qk_scale, window,
+        BS, TILE_N, UPCAST, FP32_IEEE,
+    )  # fmt: skip
 
     # source 2: the chunk's own keys, from the lowest any row of this tile sees to the highest
     new_lo = tl.maximum(committed + q0 - (window - 1), committed)
@@ -199,7 +200,6 @@ def ring_prefill_attention(
                 period=inputs.table_period, request_index=request, committed_end=ends,
             )  # fmt: skip
         else:
-            dead = (positions < 0) | (positions < ends - (window - 1))
-            slots = torch.where(dead, torch.full_like(slot_mapping[:num_tokens], -1), slot_mapping[:num_tokens])
+            slots = pad_unwritten(slot_mapping[:num_tokens], positions, ends, window)
         ring_write(k_new, v_new, k_cache, v_cache, last_writer_slots(slots))
     return out

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from ringkv.kernels.ring_geometry import RingPlan, cdiv
+from ringkv.kernels.ring_geometry import RingPlan
 
 from . import register
 from ._compat import (
@@ -154,12 +154,8 @@ class RunResult:
 
 def _check_ring_row(manager: KVCacheManager, request_id: str, committed: int, deployment: Deployment) -> None:
     """Every live logical block on a non-null, distinct physical block of the request's ring."""
-    drafter = drafter_manager(manager)
-    plan = deployment.ring_plan
-    row = drafter.req_to_blocks[request_id]
-    lo = max(0, committed - (plan.window - 1)) // plan.block_size
-    hi = cdiv(committed + plan.lookahead, plan.block_size)
-    live = [row[j] for j in range(lo, min(hi, len(row)))]
+    row = drafter_manager(manager).req_to_blocks[request_id]
+    live = [row[j] for j in deployment.ring_plan.live_blocks(committed) if j < len(row)]
     if any(block.is_null for block in live):
         raise AssertionError(f"{request_id}: a live drafter block is the null block (committed={committed})")
     if len({block.block_id for block in live}) != len(live):

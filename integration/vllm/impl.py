@@ -15,13 +15,10 @@ from typing import Any
 import torch
 from ringkv.kernels import ring_attention, ring_prefill_attention, ring_write
 from ringkv.kernels.attention_inputs import MAX_QUERY_LEN
-from ringkv.kernels.ring_geometry import PAD_SLOT, last_writer_slots, varlen_positions
+from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, last_writer_slots
 
 from ._compat import AttentionImpl, AttentionLayer, AttentionType
 from .metadata import RingAttentionMetadata
-
-# a full-attention drafter layer on this backend: a window no sequence reaches
-UNBOUNDED_WINDOW = 1 << 40
 
 
 class _LastWriterCache:
@@ -115,16 +112,10 @@ class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
             window=self.window, causal=md.causal, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
             scale=self.scale, out=output[:n].view(n, self.num_heads, -1), **options,
         )  # fmt: skip
-        if md.persist_new_rows and n:
-            ring_write(k, v, k_cache, v_cache, self.live_slots(md, n))
+        if md.live_slots is not None and n:
+            # write-after-read: the chunk's first queries needed the history these rows may replace
+            ring_write(k, v, k_cache, v_cache, md.live_slots)
         return output
-
-    def live_slots(self, md: RingAttentionMetadata, n: int) -> torch.Tensor:
-        """vLLM's slots of the batch's rows, PAD for rows no later query can see, the last writer of each slot."""
-        _, positions, ends = varlen_positions(md.query_start_loc, md.seq_lens, n)
-        slots = md.slot_mapping[:n]
-        dead = (positions < 0) | (positions < ends - (self.window - 1))
-        return last_writer_slots(torch.where(dead, torch.full_like(slots, PAD_SLOT), slots))
 
     def do_kv_cache_update(
         self,

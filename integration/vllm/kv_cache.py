@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringkv.kernels.ring_geometry import RingPlan, cdiv
+from ringkv.kernels.ring_geometry import RingPlan, cdiv, first_visible_position
 
 from ._compat import (
     KVCacheBlock,
@@ -131,7 +131,7 @@ class RingSWAManager(SlidingWindowManager):
     def first_live_block(self, num_tokens_main_model: int) -> int:
         """Logical blocks below this are wholly before any window this step's queries can have."""
         lowest_commit = max(0, num_tokens_main_model - (self.plan.lookahead - 1))
-        return max(0, lowest_commit - (self.plan.window - 1)) // self.block_size
+        return first_visible_position(lowest_commit, self.plan.window) // self.block_size
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[KVCacheBlock]:
         ring = self.rings.setdefault(request_id, [])

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, last_writer_slots, pad_unwritten, varlen_positions
 
 from ._compat import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata
 
@@ -27,8 +28,9 @@ class RingAttentionMetadata:
     block_table: torch.Tensor  # [num_reqs, width]   logical rows, entry j = ring[j % R] or null
     slot_mapping: torch.Tensor  # [num_tokens]
     causal: bool
-    # target sliding layers store their new rows after attending; a drafter's block rows are never context
-    persist_new_rows: bool
+    # [num_actual_tokens] where the batch's rows go after attending (dead rows and superseded duplicates PAD);
+    # None for draft layers: a drafter's block rows are never context
+    live_slots: torch.Tensor | None
 
 
 def resolve_causal(causal: bool | torch.Tensor) -> bool:
@@ -48,6 +50,21 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.persist_new_rows = not getattr(kv_cache_spec, "is_draft", False)
+        self.window = getattr(kv_cache_spec, "sliding_window", None) or UNBOUNDED_WINDOW
+        scheduler = getattr(vllm_config, "scheduler_config", None)
+        self.max_tokens = getattr(scheduler, "max_num_batched_tokens", 0) or 0
+        # persistent, so a captured graph keeps reading the same address
+        self._live_slots: torch.Tensor | None = None
+
+    def live_slots(self, cm: CommonAttentionMetadata) -> torch.Tensor:
+        """Once per batch for every layer of the group: vLLM's slots with unwritten rows PAD, last writers only."""
+        n = cm.num_actual_tokens
+        _, positions, ends = varlen_positions(cm.query_start_loc[: cm.num_reqs + 1], cm.seq_lens[: cm.num_reqs], n)
+        slots = last_writer_slots(pad_unwritten(cm.slot_mapping[:n], positions, ends, self.window))
+        if self._live_slots is None or self._live_slots.numel() < n:
+            self._live_slots = torch.empty(max(n, self.max_tokens), dtype=slots.dtype, device=slots.device)
+        self._live_slots[:n].copy_(slots)
+        return self._live_slots[:n]
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -64,7 +81,7 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
             block_table=cm.block_table_tensor[: cm.num_reqs],
             slot_mapping=cm.slot_mapping,
             causal=resolve_causal(cm.causal),
-            persist_new_rows=self.persist_new_rows,
+            live_slots=self.live_slots(cm) if self.persist_new_rows else None,
         )
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> RingAttentionMetadata:

@@ -40,8 +40,7 @@ def check_invariants(manager, live, needs, initial_free) -> None:
         assert len(rings[rid]) == min(cdiv(needs[rid], plan.block_size), plan.num_blocks)
         committed = request.num_computed_tokens
         row = drafter.req_to_blocks[rid]
-        lo = max(0, committed - (plan.window - 1)) // plan.block_size
-        window_blocks = row[lo : min(len(row), cdiv(committed + plan.lookahead, plan.block_size))]
+        window_blocks = [row[j] for j in plan.live_blocks(committed) if j < len(row)]
         assert not any(b.is_null for b in window_blocks), f"{rid}: null block inside the live window"
         assert len({b.block_id for b in window_blocks}) == len(window_blocks), f"{rid}: live blocks alias"
     assert manager.block_pool.get_num_free_blocks() + held_by_group(manager, live) == initial_free

@@ -88,8 +88,7 @@ def test_live_span():
 )
 def test_live_blocks_map_to_distinct_physical_blocks(window, block_size, lookahead, committed):
     plan = RingPlan(window, block_size, lookahead)
-    lo, hi = plan.live_span(committed)
-    logical = range(lo // block_size, (hi - 1) // block_size + 1)
+    logical = plan.live_blocks(committed)
     assert len(logical) <= plan.num_blocks
     assert len({j % plan.num_blocks for j in logical}) == len(logical)
 
