@@ -77,3 +77,17 @@ def test_ring_write_rejects(changes, message):
     with pytest.raises(ValueError, match=message):
         ring_write(**args)
     assert torch.isnan(args["v_cache"]).all(), "a rejected call wrote to the cache"
+
+
+def test_ring_prefill_attention_rejects_bad_inputs(case):
+    from ringkv.kernels import ring_prefill_attention
+
+    with pytest.raises(ValueError, match=r"k_new has dtype torch\.float16"):
+        ring_prefill_attention(**{**case.kernel_args(), "k_new": case.k_new.half()})
+    with pytest.raises(ValueError, match="window=0 must be an int >= 1"):
+        ring_prefill_attention(**{**case.kernel_args(), "window": 0})
+    # a prefill ring needs only the window: R = cdiv(W - 1, bs) + 1 = 6 for W 37, bs 8 (no draft-block slack)
+    before = case.k_cache.clone()
+    with pytest.raises(ValueError, match="it needs R >= 6"):
+        ring_prefill_attention(**{**case.kernel_args(), "table_period": 5})
+    torch.testing.assert_close(case.k_cache, before, equal_nan=True, atol=0, rtol=0)
