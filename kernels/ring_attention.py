@@ -25,7 +25,6 @@ from ._tiles import (
 from ._triton_utils import device_sms, is_interpreter
 from .attention_inputs import AttentionInputs, validate_attention_inputs
 from .configs import AttentionConfig, select_attention_config
-from .ring_geometry import cdiv
 
 LOG2E = 1.4426950408889634
 
@@ -81,7 +80,6 @@ def _ring_attention_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    KEYS_PER_SPLIT: tl.constexpr,
     CAUSAL: tl.constexpr,
     # the interpreter computes bf16 on raw bits: upcast right after every load
     UPCAST: tl.constexpr,
@@ -107,10 +105,12 @@ def _ring_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    # context keys [ctx_lo, committed): the union of this row block's windows, split NUM_SPLITS ways
+    # context keys [ctx_lo, committed): the union of this row block's windows, split NUM_SPLITS ways in
+    # whole tiles; a runtime span, so no constant grows with the window (full attention: window = 2^40)
     ctx_lo = tl.maximum(committed + q0 - (window - 1), 0)
-    split_lo = ctx_lo + i_s * KEYS_PER_SPLIT
-    split_hi = tl.minimum(split_lo + KEYS_PER_SPLIT, committed)
+    keys_per_split = tl.cdiv(tl.cdiv(tl.maximum(committed - ctx_lo, 0), NUM_SPLITS), TILE_N) * TILE_N
+    split_lo = ctx_lo + i_s * keys_per_split
+    split_hi = tl.minimum(split_lo + keys_per_split, committed)
     m_i, l_i, acc = attend_ring_range(
         m_i, l_i, acc, b_q, q_pos, m_row, split_lo, split_hi,
         kc_ptr, vc_ptr, block_table_ptr + i_r * stride_bt_r, table_period, i_h * stride_kc_h, i_h * stride_vc_h,
@@ -244,7 +244,6 @@ def ring_attention(
         max_query_len=inputs.max_query_len, head_dim=q.shape[-1], head_dim_v=head_dim_v, window=window,
         num_sms=device_sms(q.device), num_splits=num_splits,
     )  # fmt: skip
-    keys_per_split = cdiv(cdiv(max(window - 1, 1), config.num_splits), config.TILE_N) * config.TILE_N
     if config.num_splits == 1:
         target, lse = out, out.new_empty(1, 1, 1, dtype=torch.float32)
         o_strides = (0, out.stride(0), out.stride(1))
@@ -265,7 +264,7 @@ def ring_attention(
         QUERIES_PER_BLOCK=config.queries_per_block, NUM_M_BLOCKS=config.num_m_blocks,
         BLOCK_M=config.BLOCK_M, BLOCK_KB=config.BLOCK_KB, TILE_N=config.TILE_N,
         BLOCK_D=config.BLOCK_D, BLOCK_DV=config.BLOCK_DV,
-        NUM_SPLITS=config.num_splits, KEYS_PER_SPLIT=keys_per_split, CAUSAL=causal,
+        NUM_SPLITS=config.num_splits, CAUSAL=causal,
         UPCAST=is_interpreter(), FP32_IEEE=q.dtype == torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

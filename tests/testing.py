@@ -87,7 +87,8 @@ def make_ring_case(
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     generator = torch.Generator().manual_seed(seed)
     lookahead = max(b for _, b in requests) if lookahead is None else lookahead
-    plan = RingPlan(window=window, block_size=block_size, lookahead=lookahead)
+    # a window beyond every position (full attention) keeps all of them: size the ring for what exists
+    plan = RingPlan(window=min(window, max(p + b for p, b in requests)), block_size=block_size, lookahead=lookahead)
     ring_blocks = plan.num_blocks
     num_reqs = len(requests)
     num_blocks = 2 * ring_blocks * num_reqs + 1

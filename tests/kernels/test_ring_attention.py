@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ringkv.kernels import ring_attention
-from ringkv.kernels.ring_geometry import first_visible_position
+from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, first_visible_position
 
 from tests.testing import NAN, assert_attention_close, make_ring_case, reference_pair, stable_seed
 
@@ -30,6 +30,11 @@ CASES = [
     pytest.param([(50, 4)], 20, 4, 2, 2, 100, 64, torch.float32, True, False, 3, id="D100-Dv64-split3"),
     pytest.param([(0, 8), (1, 8), (S130, 8), (12345, 3)], 2048, 16, 5, 1, 80, 80, torch.float32, False, False, 3,
                  id="W2048-P0-P1-wrap-gqa5-D80-split3"),
+    # full-attention layers (vLLM's sliding_window None): every context key, vLLM-style full rows
+    pytest.param([(300, 8), (0, 8), (45, 3)], UNBOUNDED_WINDOW, 16, 8, 2, 64, 64, torch.float32, False, True, None,
+                 id="full-attention-noncausal"),
+    pytest.param([(700, 8), (33, 8)], UNBOUNDED_WINDOW, 16, 4, 1, 32, 32, torch.float32, True, True, 3,
+                 id="full-attention-causal-split3"),
 ]  # fmt: skip
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ringkv.kernels import RingPlan, ring_attention, ring_prefill_attention
+from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW
 
 from tests.testing import NAN, assert_attention_close, dense_oracle_rows, make_ring_case, reference_pair, stable_seed
 
@@ -20,6 +21,7 @@ CASES = [
     pytest.param([(40, 70)], 1, 4, 4, 4, 32, torch.float32, True, False, id="W1"),
     pytest.param([(300, 200), (17, 3)], 64, 16, 4, 1, 64, torch.float16, True, False, id="fp16"),
     pytest.param([(64, 100)], 33, 8, 4, 1, 32, torch.bfloat16, False, True, id="bf16-fullrows"),
+    pytest.param([(90, 70), (0, 33)], UNBOUNDED_WINDOW, 16, 4, 2, 32, torch.float32, True, True, id="full-attention"),
 ]  # fmt: skip
 
 
