@@ -388,7 +388,7 @@ def prefill_rows(device, smoke: bool, budget_s: float) -> list[dict]:
 
 def drafter_smoke(device, smoke: bool) -> dict:
     """``ringkv smoke`` natively: the tiny DFlash2 drafter on ring KV at 262,144 positions vs full history."""
-    from ringkv.dflash2.smoke import run_smoke
+    from ringkv.dflash2.harness.smoke import run_smoke
 
     result = run_smoke(context=262_144 if not smoke else 3000, steps=32 if not smoke else 2, device=str(device))
     return {**asdict(result), "ok": result.ok}

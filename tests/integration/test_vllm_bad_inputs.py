@@ -44,9 +44,11 @@ def test_ring_spec_refuses_retained_tokens_below_the_window():
                     extra_retained_tokens=3, lookahead=8)  # fmt: skip
 
 
-def test_ring_spec_refuses_an_impossible_plan():
-    with pytest.raises(ValueError, match="lookahead=0"):
-        RingSWASpec(block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float16, sliding_window=64, lookahead=0)
+@pytest.mark.parametrize(("lookahead", "message"), [(-1, "lookahead=-1"), (True, "lookahead=True"), (2.5, "2.5")])
+def test_ring_spec_refuses_an_impossible_plan(lookahead, message):
+    with pytest.raises(ValueError, match=message):
+        RingSWASpec(block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float16, sliding_window=64,
+                    lookahead=lookahead)  # fmt: skip
 
 
 def test_mixed_causality_in_one_group_is_an_error():

@@ -160,3 +160,26 @@ def test_chunk_writes_are_race_free_after_last_writer():
         live = positions >= end - 2047
         assert torch.equal(final[live], slots[live]), "a live position lost its slot"
     assert raw_collisions > 0, "expected the pre-chunk boundary entries to collide without last-writer"
+
+
+def test_an_allocation_beyond_the_planned_lookahead_is_refused():
+    """The ring holds R = cdiv(W + la - 2, bs) + 1 blocks for the lookahead it was planned with; a step that
+    reserves more slots would alias live positions, so the manager names the mismatch instead."""
+    from ringkv.integration.vllm.planning import RingConfigError
+
+    manager = ISSUE.manager(ring=True)
+    request = make_request("la", 5000)
+    assert manager.allocate_slots(request, 4096, num_lookahead_tokens=ISSUE.lookahead) is not None
+    request.num_computed_tokens += 4096
+    with pytest.raises(RingConfigError, match="planned for 8"):
+        manager.allocate_slots(request, 8, num_lookahead_tokens=ISSUE.lookahead + 1)
+
+
+def test_an_unplanned_ring_spec_never_reaches_a_manager():
+    from ringkv.integration.vllm.kv_cache import RingSWAManager, RingSWASpec
+    from ringkv.integration.vllm.planning import RingConfigError
+
+    unplanned = RingSWASpec(block_size=16, num_kv_heads=8, head_size=128, dtype=ISSUE.drafter_spec(True).dtype,
+                            sliding_window=2048)  # fmt: skip
+    with pytest.raises(RingConfigError, match="without vLLM's num_lookahead_tokens"):
+        RingSWAManager(unplanned, block_pool=None, enable_caching=False, kv_cache_group_id=0, scheduler_block_size=16)

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from ringkv.dflash2.model import DFlash2Drafter
 from ringkv.kernels.tolerance import attention_error
 
-from .model import DFlash2Drafter
 from .ring_cache import DraftKVCache
 from .tiny import random_drafter, tiny_config
 

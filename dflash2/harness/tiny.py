@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import torch
-
-from .config import DFlashConfig, parse_config
-from .model import DFlash2Drafter
+from ringkv.dflash2.config import DFlashConfig, parse_config
+from ringkv.dflash2.model import DFlash2Drafter
 
 
 def tiny_config(

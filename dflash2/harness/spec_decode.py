@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from ringkv.dflash2.model import DFlash2Drafter
 from torch import nn
 
-from .model import DFlash2Drafter
 from .ring_cache import DraftKVCache
 
 
@@ -54,6 +54,8 @@ def greedy_reference(target: TargetModel, prompt: list[int], max_new_tokens: int
 class SpecDecodeResult:
     tokens: list[int]
     accepted_per_step: list[int] = field(default_factory=list)
+    # per step: the drafter's logits [B-1, vocab] for its drafts
+    draft_logits: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -80,7 +82,11 @@ def speculative_generate(
     result = SpecDecodeResult(tokens=[])
     while len(result.tokens) < max_new_tokens:
         committed = len(tokens)
-        drafts, _ = drafter.draft(cache, torch.tensor([bonus]), [committed], target.embed, target.lm_head)
+        drafts, draft_logits = drafter.draft(
+            cache, torch.tensor([bonus]), [committed], target.embed, target.lm_head, requests=[request]
+        )
+        if draft_logits is not None:
+            result.draft_logits.append(draft_logits[0])
         drafts = drafts[0].tolist()
         logits, features = target([*tokens, bonus, *drafts])
         predictions = logits[committed : committed + block].argmax(-1).tolist()

@@ -5,14 +5,14 @@ they are not ring-backed."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from ringkv.dflash2.config import DFlashConfig, LayerAttention
 from ringkv.kernels import ring_attention, ring_attention_reference, ring_write, ring_write_reference
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, RingPlan, visible
-
-from .config import DFlashConfig, LayerAttention
 
 
 def full_history_attention(
@@ -100,24 +100,36 @@ class DraftKVCache:
         write(*rows, k_store, v_store, slots[keep])
 
     def attend(
-        self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, committed: list[int], block: int
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        committed: Sequence[int],
+        block: int,
+        requests: Sequence[int],
     ) -> torch.Tensor:
-        """``[N*B, Hq, D]`` attention of N equal draft blocks over their context and themselves."""
+        """``[N*B, Hq, D]`` attention of N equal draft blocks, block ``r`` of request ``requests[r]`` at
+        positions ``committed[r] ..``, over that request's context and the block itself."""
+        for request in requests:
+            if not 0 <= request < self.num_requests:
+                raise ValueError(f"request {request} is outside this cache's {self.num_requests} requests")
         spec: LayerAttention = self.config.layers[layer]
         window = spec.window or UNBOUNDED_WINDOW
         plan, ring = self.plans[layer], self.rings[layer]
         k_store, v_store = self.storage[layer]
         if plan is None:
             return torch.cat([
-                full_history_attention(q[r * block:(r + 1) * block], k_store[r], v_store[r],
+                full_history_attention(q[r * block:(r + 1) * block], k_store[request], v_store[request],
                                        k_new[r * block:(r + 1) * block], v_new[r * block:(r + 1) * block],
                                        p, window, spec.causal, self.scale)
-                for r, p in enumerate(committed)
+                for r, (request, p) in enumerate(zip(requests, committed, strict=True))
             ])  # fmt: skip
         starts = torch.arange(0, block * len(committed) + 1, block, dtype=torch.int32, device=self.device)
         seq_lens = torch.tensor([p + block for p in committed], dtype=torch.int32, device=self.device)
-        args = (q.to(self.dtype), k_new.to(self.dtype), v_new.to(self.dtype), k_store, v_store, ring[: len(committed)],
-                starts, seq_lens)  # fmt: skip
+        rows = ring[torch.tensor(list(requests), device=self.device)]
+        args = (q.to(self.dtype), k_new.to(self.dtype), v_new.to(self.dtype), k_store, v_store, rows, starts,
+                seq_lens)  # fmt: skip
         options = {"window": window, "causal": spec.causal, "scale": self.scale, "table_period": plan.num_blocks}
         if self.attention == "triton":
             return ring_attention(*args, **options, max_query_len=block).to(q.dtype)
