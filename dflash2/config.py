@@ -78,6 +78,8 @@ class DFlashConfig:
         causal = {layer.causal for layer in self.layers}
         config: dict[str, Any] = {
             "architectures": ["DFlash2DraftModel" if self.is_dflash2 else "DFlashDraftModel"],
+            # what transformers' Qwen3Config (vLLM reads the drafter through it) needs besides the fields above
+            "model_type": "qwen3", "hidden_act": "silu", "tie_word_embeddings": False,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_q_heads,
             "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "vocab_size": self.vocab_size,
@@ -88,7 +90,8 @@ class DFlashConfig:
                               "mask_token_id": self.mask_token_id},
         }  # fmt: skip
         if windows:
-            config["sliding_window"] = windows.pop()
+            # Qwen3Config drops sliding_window unless use_sliding_window is set
+            config.update(sliding_window=windows.pop(), use_sliding_window=True)
         if len(causal) == 1:
             config["is_causal"] = causal.pop()
         if self.is_dflash2:

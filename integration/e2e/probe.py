@@ -1,0 +1,190 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Instrumentation for engine-level runs, installed in every vLLM process by the ``ringkv_e2e_probe`` entry
+point when ``RINGKV_E2E_PROBE`` names a JSON probe config (``ProbeConfig``); a no-op otherwise.
+
+Per process it records, and writes to ``<dir>/probe-<pid>.pt`` when the scheduler or a worker shuts down:
+- calls of ringkv's impl per layer (``forward``, ``do_kv_cache_update``);
+- for the layers in ``record_layers``, every attention output of either backend (ring or vLLM's CPU one);
+- at every scheduler step, the drafter group's distinct physical blocks per running request.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ENV = "RINGKV_E2E_PROBE"
+
+
+@dataclass
+class ProbeConfig:
+    directory: str
+    # layer names whose attention outputs are recorded (the drafter's), and whose KV group is the drafter's
+    drafter_layers: list[str] = field(default_factory=list)
+    record_outputs: bool = True
+    # print "PROGRESS <tokens computed>" after every scheduler step (the runner's progress bar)
+    progress: bool = False
+
+
+@dataclass
+class SchedulerStep:
+    """One ``schedule()``: per running request, (tokens computed before the step, drafter blocks held)."""
+
+    requests: dict[str, tuple[int, int]]
+
+
+@dataclass
+class ProbeRecord:
+    pid: int
+    forward_calls: Counter = field(default_factory=Counter)
+    kv_update_calls: Counter = field(default_factory=Counter)
+    outputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    steps: list[SchedulerStep] = field(default_factory=list)
+    ring_blocks: int | None = None
+    drafter_block_size: int | None = None
+
+
+_record: ProbeRecord | None = None
+_config: ProbeConfig | None = None
+
+
+def _save() -> None:
+    if _record is None or _config is None:
+        return
+    path = Path(_config.directory) / f"probe-{_record.pid}.pt"
+    torch.save(_record.__dict__, path)
+
+
+def _wrap(owner: type, name: str, make: Any) -> None:
+    original = getattr(owner, name)
+    if getattr(original, "_ringkv_probe", False):
+        return
+    wrapped = functools.wraps(original)(make(original))
+    wrapped._ringkv_probe = True
+    setattr(owner, name, wrapped)
+
+
+def _record_output(layer: Any, output: torch.Tensor, rows: int) -> None:
+    if _config is not None and _config.record_outputs and layer.layer_name in _config.drafter_layers:
+        _record.outputs.setdefault(layer.layer_name, []).append(output[:rows].detach().float().cpu().clone())
+
+
+def _attention_probes() -> None:
+    from ringkv.integration.vllm.impl import RingKVImpl
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    def ring_forward(original):
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+            result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+            if attn_metadata is not None:
+                _record.forward_calls[layer.layer_name] += 1
+                _record_output(layer, result, attn_metadata.num_actual_tokens)
+            return result
+
+        return forward
+
+    def kv_update(original):
+        def do_kv_cache_update(self, layer, *args, **kwargs):
+            _record.kv_update_calls[layer.layer_name] += 1
+            return original(self, layer, *args, **kwargs)
+
+        return do_kv_cache_update
+
+    def cpu_forward(original):
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+            result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+            if attn_metadata is not None:
+                _record_output(layer, result, query.shape[0])
+            return result
+
+        return forward
+
+    _wrap(RingKVImpl, "forward", ring_forward)
+    _wrap(RingKVImpl, "do_kv_cache_update", kv_update)
+    _wrap(CPUAttentionBackendImpl, "forward", cpu_forward)
+
+
+def _held_blocks(manager: Any, request_id: str) -> int:
+    rings = getattr(manager, "rings", None)
+    if rings is not None:
+        return len(rings.get(request_id, ()))
+    return len({b.block_id for b in manager.req_to_blocks.get(request_id, ()) if not b.is_null})
+
+
+def _scheduler_probes() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def schedule(original):
+        def wrapped(self, *args, **kwargs):
+            group = _drafter_group(self)
+            before = {r.request_id: r.num_computed_tokens for r in self.running}
+            output = original(self, *args, **kwargs)
+            if group is not None:
+                manager = self.kv_cache_manager.coordinator.single_type_managers[group]
+                _record.ring_blocks = getattr(manager, "ring_blocks", None)
+                _record.drafter_block_size = manager.block_size
+                held = {r.request_id: (before.get(r.request_id, 0), _held_blocks(manager, r.request_id))
+                        for r in self.running}  # fmt: skip
+                _record.steps.append(SchedulerStep(held))
+            if _config.progress:
+                computed = sum(r.num_computed_tokens for r in self.running)
+                print(f"PROGRESS {computed}", flush=True)  # noqa: T201 -- read by the runner
+            return output
+
+        return wrapped
+
+    def shutdown(original):
+        def wrapped(self, *args, **kwargs):
+            _save()
+            return original(self, *args, **kwargs)
+
+        return wrapped
+
+    _wrap(Scheduler, "schedule", schedule)
+    _wrap(Scheduler, "shutdown", shutdown)
+
+
+def _drafter_group(scheduler: Any) -> int | None:
+    names = set(_config.drafter_layers)
+    for index, group in enumerate(scheduler.kv_cache_config.kv_cache_groups):
+        if names & set(group.layer_names):
+            return index
+    return None
+
+
+def _worker_probes() -> None:
+    from vllm.v1.worker.gpu_worker import Worker
+
+    def shutdown(original):
+        def wrapped(self, *args, **kwargs):
+            _save()
+            return original(self, *args, **kwargs)
+
+        return wrapped
+
+    _wrap(Worker, "shutdown", shutdown)
+
+
+def install() -> None:
+    """The ``ringkv_e2e_probe`` plugin: instrument this process when ``RINGKV_E2E_PROBE`` is set."""
+    global _record, _config
+    raw = os.environ.get(ENV)
+    if not raw or _record is not None:
+        return
+    _config = ProbeConfig(**json.loads(raw))
+    _record = ProbeRecord(pid=os.getpid())
+    _attention_probes()
+    _scheduler_probes()
+    _worker_probes()
+
+
+def load_records(directory: str | Path) -> list[dict[str, Any]]:
+    """Every probe file one run left (one per vLLM process that shut down)."""
+    return [torch.load(path, weights_only=False) for path in sorted(Path(directory).glob("probe-*.pt"))]

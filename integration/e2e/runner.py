@@ -1,0 +1,132 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Launch engine runs (``worker``) in their own processes and compare them: greedy tokens, vLLM's spec-decode
+counters, ringkv's calls per drafter layer, drafter blocks held per scheduler step, drafter attention outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .probe import ENV as PROBE_ENV
+from .probe import ProbeConfig, load_records
+from .worker import RESULT_PREFIX, EngineRunSpec
+
+PROGRESS_PREFIX = "PROGRESS "
+
+
+class EngineRunError(RuntimeError):
+    """An engine process failed; the message carries the end of its output."""
+
+
+@dataclass
+class EngineRun:
+    spec: EngineRunSpec
+    tokens: list[list[int]]
+    spec_decode: dict[str, Any]
+    init_seconds: float
+    generate_seconds: float
+    wall_seconds: float
+    records: list[dict[str, Any]] = field(repr=False)
+
+    @property
+    def forward_calls(self) -> Counter:
+        return sum((Counter(r["forward_calls"]) for r in self.records), Counter())
+
+    @property
+    def kv_update_calls(self) -> Counter:
+        return sum((Counter(r["kv_update_calls"]) for r in self.records), Counter())
+
+    @property
+    def scheduler(self) -> dict[str, Any]:
+        """The record of the process that ran the scheduler (steps, ring_blocks, drafter_block_size)."""
+        owners = [r for r in self.records if r["steps"]]
+        if len(owners) != 1:
+            raise EngineRunError(f"{len(owners)} processes recorded scheduler steps; expected 1")
+        return owners[0]
+
+    def outputs(self) -> dict[tuple[int, str], list[torch.Tensor]]:
+        """Drafter attention outputs per (recording process index, layer), in call order."""
+        ordered = sorted((r for r in self.records if r["outputs"]), key=lambda r: r["pid"])
+        return {(i, layer): calls for i, r in enumerate(ordered) for layer, calls in r["outputs"].items()}
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted draft tokens / draft tokens (vLLM's counters)."""
+        drafted = self.spec_decode.get("draft_tokens", 0)
+        return self.spec_decode.get("accepted", 0) / drafted if drafted else 0.0
+
+
+def drafter_layer_names(num_target_layers: int, num_drafter_layers: int) -> list[str]:
+    """vLLM numbers a DFlash drafter's layers after the target's (``start_layer_id``)."""
+    return [f"model.layers.{num_target_layers + i}.self_attn.attn" for i in range(num_drafter_layers)]
+
+
+def run_engine(
+    spec: EngineRunSpec,
+    *,
+    drafter_layers: list[str],
+    record_outputs: bool = True,
+    on_progress: Callable[[int], None] | None = None,
+    timeout: float = 3600,
+) -> EngineRun:
+    """Run ``spec`` in a fresh process with the probe on; ``on_progress(tokens computed)`` per scheduler step."""
+    with tempfile.TemporaryDirectory(prefix="ringkv-e2e-") as directory:
+        probe = ProbeConfig(directory, drafter_layers, record_outputs, progress=on_progress is not None)
+        spec = EngineRunSpec(**{**asdict(spec), "probe": asdict(probe)})
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_") and k != PROBE_ENV}
+        start = time.perf_counter()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "ringkv.integration.e2e.worker", json.dumps(asdict(spec))],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )  # fmt: skip
+        lines, result = [], None
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith(PROGRESS_PREFIX) and on_progress is not None:
+                on_progress(int(line[len(PROGRESS_PREFIX) :]))
+            elif line.startswith(RESULT_PREFIX):
+                result = json.loads(line[len(RESULT_PREFIX) :])
+            else:
+                lines.append(line)
+                del lines[:-200]
+        code = process.wait(timeout=timeout)
+        wall = time.perf_counter() - start
+        if code != 0 or result is None:
+            raise EngineRunError(f"engine run failed (exit {code}):\n" + "".join(lines[-80:]))
+        return EngineRun(
+            spec=spec, tokens=result["tokens"], spec_decode=result["spec_decode"],
+            init_seconds=result["init_seconds"], generate_seconds=result["generate_seconds"], wall_seconds=wall,
+            records=load_records(directory),
+        )  # fmt: skip
+
+
+def held_blocks(run: EngineRun) -> list[dict[str, tuple[int, int]]]:
+    """Per scheduler step: request -> (tokens computed before the step, drafter blocks held after it)."""
+    return [step.requests for step in run.scheduler["steps"]]
+
+
+def max_output_difference(ring: EngineRun, stock: EngineRun) -> tuple[float, int]:
+    """Largest |ring - stock| over every drafter attention output, and how many outputs were compared."""
+    ring_outputs, stock_outputs = ring.outputs(), stock.outputs()
+    if ring_outputs.keys() != stock_outputs.keys():
+        raise EngineRunError(f"recorded layers differ: {sorted(ring_outputs)} vs {sorted(stock_outputs)}")
+    worst, compared = 0.0, 0
+    for key, calls in ring_outputs.items():
+        if len(calls) != len(stock_outputs[key]):
+            raise EngineRunError(f"{key}: {len(calls)} ring forwards vs {len(stock_outputs[key])} stock forwards")
+        for got, want in zip(calls, stock_outputs[key], strict=True):
+            if got.shape != want.shape:
+                raise EngineRunError(f"{key}: output shapes {tuple(got.shape)} vs {tuple(want.shape)}")
+            worst = max(worst, float((got - want).abs().max()) if got.numel() else 0.0)
+            compared += 1
+    return worst, compared

@@ -1,0 +1,130 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One engine run in its own process: ``python -m ringkv.integration.e2e.worker '<EngineRunSpec as JSON>'``.
+
+vLLM keeps process-wide state (its platform, backend cache, distributed groups), so every configuration gets a
+fresh process. Prints one line ``RESULT {json}``: the greedy tokens, vLLM's spec-decode counters and timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+RESULT_PREFIX = "RESULT "
+# the drafter's attention: None = no speculative decoding, "stock" = vLLM's choice, "ring" = RINGKV
+DRAFTER_BACKENDS = (None, "stock", "ring")
+
+
+@dataclass(frozen=True)
+class EngineRunSpec:
+    target: str
+    drafter: str | None
+    drafter_backend: str | None
+    prompts: list[list[int]]
+    max_tokens: int
+    num_speculative_tokens: int = 7
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 4
+    block_size: int = 32
+    tensor_parallel_size: int = 1
+    # the target's sliding-window layers on RINGKV too (backend_per_kind)
+    target_on_ring: bool = False
+    kv_cache_gib: int = 1
+    probe: dict[str, Any] | None = None
+    dtype: str = "float32"
+    extra_engine_args: dict[str, Any] = field(default_factory=dict)
+
+
+def engine_environment(spec: EngineRunSpec) -> dict[str, str]:
+    """What the engine process needs: CPU KV space, offline, the interpreter for ringkv's Triton kernels on
+    CPU, in-process engine unless tensor parallel, and the probe config."""
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
+        "HF_HUB_OFFLINE": "1",
+        "TRITON_INTERPRET": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if spec.tensor_parallel_size == 1 else "1",
+    }
+    if spec.probe is not None:
+        env["RINGKV_E2E_PROBE"] = json.dumps(spec.probe)
+    return env
+
+
+def engine_kwargs(spec: EngineRunSpec) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "model": spec.target, "skip_tokenizer_init": True, "dtype": spec.dtype, "max_model_len": spec.max_model_len,
+        "max_num_batched_tokens": spec.max_num_batched_tokens, "max_num_seqs": spec.max_num_seqs,
+        "enforce_eager": True, "seed": 0, "enable_prefix_caching": False, "block_size": spec.block_size,
+        "disable_log_stats": False, "tensor_parallel_size": spec.tensor_parallel_size,
+        "distributed_executor_backend": "uni" if spec.tensor_parallel_size == 1 else "mp",
+    }  # fmt: skip
+    if spec.drafter_backend is not None:
+        speculative: dict[str, Any] = {
+            "method": "dflash", "model": spec.drafter, "num_speculative_tokens": spec.num_speculative_tokens,
+        }  # fmt: skip
+        if spec.drafter_backend == "ring":
+            # the documented selection
+            speculative["attention_backend"] = "RINGKV"
+        kwargs["speculative_config"] = speculative
+    if spec.target_on_ring:
+        kwargs["attention_config"] = {"backend_per_kind": {"sliding_window": "RINGKV"}}
+    kwargs.update(spec.extra_engine_args)
+    return kwargs
+
+
+def spec_decode_counters(metrics: list[Any]) -> dict[str, Any]:
+    """vLLM's spec-decode counters (``LLM.get_metrics``): drafts, draft tokens, accepted, accepted per position."""
+    names = {
+        "vllm:spec_decode_num_drafts": "drafts",
+        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "accepted",
+        "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_per_position",
+    }
+    found: dict[str, Any] = {}
+    for metric in metrics:
+        if metric.name in names:
+            found[names[metric.name]] = list(metric.values) if hasattr(metric, "values") else metric.value
+    return found
+
+
+def run(spec: EngineRunSpec) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.plugins import load_general_plugins
+
+    start = time.perf_counter()
+    # LLM() validates attention_config before it loads plugins: "RINGKV" must be registered first
+    load_general_plugins()
+    llm = LLM(**engine_kwargs(spec))
+    ready = time.perf_counter()
+    outputs = llm.generate(
+        [{"prompt_token_ids": prompt} for prompt in spec.prompts],
+        SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, detokenize=False, ignore_eos=True),
+        use_tqdm=False,
+    )
+    done = time.perf_counter()
+    result = {
+        "tokens": [list(output.outputs[0].token_ids) for output in outputs],
+        "spec_decode": spec_decode_counters(llm.get_metrics()),
+        "init_seconds": ready - start,
+        "generate_seconds": done - ready,
+    }
+    # shuts the scheduler and workers down, which writes the probe records
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def main(argv: list[str]) -> None:
+    spec = EngineRunSpec(**json.loads(argv[1]))
+    if spec.drafter_backend not in DRAFTER_BACKENDS:
+        raise SystemExit(f"drafter_backend={spec.drafter_backend!r}; use one of {DRAFTER_BACKENDS}")
+    os.environ.update(engine_environment(spec))
+    sys.stdout.write(RESULT_PREFIX + json.dumps({"spec": asdict(spec), **run(spec)}) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main(sys.argv)
