@@ -40,20 +40,12 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 def engine_runs(models, backends) -> dict:
     layers = drafter_layer_names(models.spec.target_layers, models.spec.drafter_layers)
-    return {
-        backend: run_engine(
-            EngineRunSpec(
-                target=str(models.target),
-                drafter=str(models.drafter),
-                drafter_backend=backend,
-                prompts=prompts(),
-                max_tokens=48,
-                block_size=BLOCK,
-            ),
-            drafter_layers=layers,
-        )  # fmt: skip
-        for backend in backends
-    }
+    runs = {}
+    for backend in backends:
+        spec = EngineRunSpec(target=str(models.target), drafter=str(models.drafter), drafter_backend=backend,
+                             prompts=prompts(), max_tokens=48, block_size=BLOCK)  # fmt: skip
+        runs[backend] = run_engine(spec, drafter_layers=layers)
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +67,7 @@ def test_greedy_tokens_are_identical_with_no_speculation_stock_and_ring(sliding)
 
 
 def test_the_drafter_group_is_the_ring_and_holds_exactly_r_blocks(sliding):
-    models, runs = sliding
+    _, runs = sliding
     ring_blocks = ring_blocks_needed(SLIDING.drafter_window, BLOCK, lookahead=SLIDING.num_speculative_tokens + 1)
     assert runs["ring"].scheduler["ring_blocks"] == ring_blocks == 4
     steps = held_blocks(runs["ring"])
