@@ -123,11 +123,20 @@ class PrefillConfig:
 
 # query rows per prefill program: a 64-row tile keeps register pressure moderate for head_dim 256
 PREFILL_BLOCK_M = 64
+# Triton's CPU interpreter costs per program, not per FLOP: long chunks take far taller tiles there
+INTERPRETED_LONG_CHUNK = 2048
+INTERPRETED_PREFILL_BLOCK_M = 1024
 
 
-def select_prefill_config(*, group_size: int, head_dim: int, head_dim_v: int) -> PrefillConfig:
-    """All G heads of a query in one program; as many queries as fill ``PREFILL_BLOCK_M`` rows."""
-    block_q = max(1, PREFILL_BLOCK_M // group_size)
+def select_prefill_config(
+    *, group_size: int, head_dim: int, head_dim_v: int, max_query_len: int = 0, interpreted: bool = False
+) -> PrefillConfig:
+    """All G heads of a query in one program; as many queries as fill ``PREFILL_BLOCK_M`` rows (under the
+    interpreter, ``INTERPRETED_PREFILL_BLOCK_M`` for chunks of ``INTERPRETED_LONG_CHUNK`` queries or more)."""
+    rows = PREFILL_BLOCK_M
+    if interpreted and max_query_len >= INTERPRETED_LONG_CHUNK:
+        rows = INTERPRETED_PREFILL_BLOCK_M
+    block_q = max(1, rows // group_size)
     block_d = max(MIN_DOT_DIM, next_pow2(head_dim))
     block_dv = max(MIN_DOT_DIM, next_pow2(head_dim_v))
     return PrefillConfig(

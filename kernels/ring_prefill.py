@@ -179,7 +179,10 @@ def ring_prefill_attention(
     out = inputs.out
     num_tokens, _, head_dim = q.shape
     if inputs.num_reqs and num_tokens:
-        config = select_prefill_config(group_size=inputs.group_size, head_dim=head_dim, head_dim_v=v_new.shape[-1])
+        config = select_prefill_config(
+            group_size=inputs.group_size, head_dim=head_dim, head_dim_v=v_new.shape[-1],
+            max_query_len=inputs.max_query_len, interpreted=is_interpreter(),
+        )  # fmt: skip
         grid = (inputs.num_reqs, triton.cdiv(inputs.max_query_len, config.BLOCK_Q), k_new.shape[1])
         _ring_prefill_kernel[grid](
             out, q, k_new, v_new, k_cache, v_cache, block_table, query_start_loc, seq_lens,

@@ -58,3 +58,14 @@ def test_select_write_config():
     assert select_write_config(num_kv_heads=8, head_dim=128) == WriteConfig(BLOCK_T=8, BLOCK_H=8, num_warps=4)
     assert select_write_config(num_kv_heads=64, head_dim=256) == WriteConfig(BLOCK_T=1, BLOCK_H=32, num_warps=4)
     assert select_write_config(num_kv_heads=1, head_dim=59) == WriteConfig(BLOCK_T=128, BLOCK_H=1, num_warps=4)
+
+
+def test_long_chunks_take_tall_tiles_only_under_the_interpreter():
+    from ringkv.kernels.configs import INTERPRETED_LONG_CHUNK, select_prefill_config
+
+    shape = {"group_size": 2, "head_dim": 32, "head_dim_v": 32}
+    native = select_prefill_config(**shape, max_query_len=1 << 16)
+    short = select_prefill_config(**shape, max_query_len=INTERPRETED_LONG_CHUNK - 1, interpreted=True)
+    long = select_prefill_config(**shape, max_query_len=INTERPRETED_LONG_CHUNK, interpreted=True)
+    assert native == short and native.BLOCK_M == 64
+    assert long.BLOCK_M == 1024 and long.BLOCK_Q == 512

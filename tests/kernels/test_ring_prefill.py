@@ -22,6 +22,8 @@ CASES = [
     pytest.param([(300, 200), (17, 3)], 64, 16, 4, 1, 64, torch.float16, True, False, id="fp16"),
     pytest.param([(64, 100)], 33, 8, 4, 1, 32, torch.bfloat16, False, True, id="bf16-fullrows"),
     pytest.param([(90, 70), (0, 33)], UNBOUNDED_WINDOW, 16, 4, 2, 32, torch.float32, True, True, id="full-attention"),
+    # >= INTERPRETED_LONG_CHUNK queries: the interpreter's tall tiles (several of them, the last one partial)
+    pytest.param([(100, 2100), (5, 3)], 37, 8, 4, 2, 16, torch.float32, True, False, id="long-chunk-tall-tiles"),
 ]  # fmt: skip
 
 
