@@ -49,7 +49,7 @@ def build_batch(shape: Shape, num_reqs: int, block: int, committed: int, dtype, 
     """N requests at the same committed position: a ring each, live context written through ``ring_write``,
     plus the same K/V linearized (``[N, Hkv, W-1+B, D]``) for the dense baselines."""
     import torch
-    from ringkv.kernels import RingPlan, ring_write
+    from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_write
 
     plan = RingPlan(shape.window, shape.block_size, lookahead=max(block, 8))
     # generated where it is used: a 256-request batch is gigabytes
@@ -76,13 +76,13 @@ def build_batch(shape: Shape, num_reqs: int, block: int, committed: int, dtype, 
     q = randn(tokens, shape.num_q_heads, shape.head_dim)
     k_new = randn(tokens, shape.num_kv_heads, shape.head_dim)
     v_new = randn(tokens, shape.num_kv_heads, shape.head_dim)
-    args = {
-        "q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache,
-        "block_table": rings,
-        "query_start_loc": torch.arange(0, tokens + 1, block, dtype=torch.int32, device=device),
-        "seq_lens": torch.full((num_reqs,), committed + block, dtype=torch.int32, device=device),
-        "window": shape.window, "causal": False, "table_period": plan.num_blocks,
-    }  # fmt: skip
+    batch = VarlenBatch(
+        torch.arange(0, tokens + 1, block, dtype=torch.int32, device=device),
+        torch.full((num_reqs,), committed + block, dtype=torch.int32, device=device), rings,
+        max_query_len=block, max_seq_len=committed + block, table_period=plan.num_blocks, mode=BatchMode.DRAFT_BLOCK,
+    )  # fmt: skip
+    args = {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache, "batch": batch,
+            "window": shape.window, "causal": False}  # fmt: skip
     # dense layout [N, H, L, D]: context then the block's own keys
     k_dense = torch.cat([k_ctx, k_new.view(num_reqs, block, *k_new.shape[1:])], 1).transpose(1, 2)
     v_dense = torch.cat([v_ctx, v_new.view(num_reqs, block, *v_new.shape[1:])], 1).transpose(1, 2)
@@ -250,9 +250,7 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float) ->
             batches = [build_batch(shape, num_reqs, block, committed, dtype, device, seed=s) for s in range(num_sets)]
             args, dense, ctx_len = batches[0]
             outs = [torch.empty_like(b[0]["q"]) for b in batches]
-            bounds = {"max_query_len": block, "max_seq_len": committed + block}
-            calls = [lambda a=b[0], o=o, bounds=bounds: ring_attention(**a, out=o, **bounds)
-                     for b, o in zip(batches, outs, strict=True)]  # fmt: skip
+            calls = [lambda a=b[0], o=o: ring_attention(**a, out=o) for b, o in zip(batches, outs, strict=True)]
             calls[0]()
             check = gate(outs[0], args)
             kv_bytes = 2 * num_reqs * (ctx_len + block) * shape.num_kv_heads * shape.head_dim * dtype.itemsize
@@ -300,7 +298,7 @@ def prefill_rows(device, smoke: bool, budget_s: float) -> list[dict]:
     query slices for longer chunks."""
     import torch
     import torch.nn.functional as F
-    from ringkv.kernels import RingPlan, ring_prefill_attention, ring_write
+    from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_prefill_attention, ring_write
     from ringkv.kernels.ring_geometry import visible
     from ringkv.kernels.tolerance import attention_error
 
@@ -326,14 +324,15 @@ def prefill_rows(device, smoke: bool, budget_s: float) -> list[dict]:
         q = randn(chunk, shape.num_q_heads, shape.head_dim)
         k_new, v_new = (randn(chunk, shape.num_kv_heads, shape.head_dim) for _ in range(2))
         starts = torch.tensor([0, chunk], dtype=torch.int32, device=device)
-        args = {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache,
-                "block_table": ring[None], "query_start_loc": starts,
-                "seq_lens": torch.tensor([committed + chunk], dtype=torch.int32, device=device), "window": window,
-                "causal": True, "table_period": plan.num_blocks}  # fmt: skip
+        batch = VarlenBatch(starts, torch.tensor([committed + chunk], dtype=torch.int32, device=device), ring[None],
+                            max_query_len=chunk, max_seq_len=committed + chunk, table_period=plan.num_blocks,
+                            mode=BatchMode.PREFILL_CHUNK)  # fmt: skip
+        args = {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache, "batch": batch,
+                "window": window, "causal": True}  # fmt: skip
         out = torch.empty_like(q)
 
-        def ringkv_call(args=args, out=out, chunk=chunk):
-            return ring_prefill_attention(**args, out=out, max_query_len=chunk, write_ring=False)
+        def ringkv_call(args=args, out=out):
+            return ring_prefill_attention(**args, out=out, write_ring=False)
 
         ringkv_call()
         q_pos = committed + torch.arange(chunk, device=device)

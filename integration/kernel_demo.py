@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from ringkv.kernels import RingPlan, ring_attention, ring_attention_reference, ring_write
+from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, ring_attention_reference, ring_write
 from ringkv.kernels.tolerance import attention_error
 
 GIB = 1024**3
@@ -85,13 +85,17 @@ def attention_step(shape: DemoShape, last_position: int, device: torch.device, s
         "q": rand(block, shape.num_q_heads, shape.head_dim),
         "k_new": rand(block, shape.num_kv_heads, shape.head_dim),
         "v_new": rand(block, shape.num_kv_heads, shape.head_dim),
-        "k_cache": k_cache, "v_cache": v_cache, "block_table": ring[None].to(device),
-        "query_start_loc": torch.tensor([0, block], dtype=torch.int32, device=device),
-        "seq_lens": torch.tensor([committed + block], dtype=torch.int32, device=device),
-        "window": shape.window, "causal": False, "table_period": plan.num_blocks,
+        "k_cache": k_cache, "v_cache": v_cache,
+        "batch": VarlenBatch(
+            torch.tensor([0, block], dtype=torch.int32, device=device),
+            torch.tensor([committed + block], dtype=torch.int32, device=device), ring[None].to(device),
+            max_query_len=block, max_seq_len=committed + block, table_period=plan.num_blocks,
+            mode=BatchMode.DRAFT_BLOCK,
+        ),
+        "window": shape.window, "causal": False,
     }  # fmt: skip
     start = time.perf_counter()
-    out = ring_attention(**args, max_query_len=block)
+    out = ring_attention(**args)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

@@ -6,10 +6,13 @@ from .ring_attention import ring_attention
 from .ring_geometry import PAD_SLOT, RingPlan, ring_blocks_needed
 from .ring_prefill import ring_prefill_attention
 from .ring_write import ring_write
+from .varlen import BatchMode, VarlenBatch
 
 __all__ = [
     "PAD_SLOT",
+    "BatchMode",
     "RingPlan",
+    "VarlenBatch",
     "ring_attention",
     "ring_attention_reference",
     "ring_blocks_needed",

@@ -11,22 +11,22 @@ from dataclasses import dataclass
 import torch
 
 from .ring_geometry import cdiv, ring_blocks_needed
+from .varlen import MAX_QUERY_LEN as MAX_QUERY_LEN  # the draft-block limit, imported from here by integration
+from .varlen import BatchMode, VarlenBatch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_HEAD_DIM = 256
-MAX_QUERY_LEN = 64
+# the ring kernels' K/V loads: 16-byte vectors, provable only from 16-element strides (Triton's divisibility)
+KV_ALIGN_BYTES = 16
+KV_STRIDE_ELEMENTS = 16
 
 
 @dataclass(frozen=True)
 class AttentionInputs:
-    """What validation derived: sizes the launcher needs, and the output tensor."""
+    """What validation derived: the GQA group, the softmax scale, and the output tensor."""
 
-    num_reqs: int
     group_size: int
-    max_query_len: int
     scale: float
-    table_period: int
     out: torch.Tensor
 
 
@@ -43,12 +43,6 @@ def _check_rank(name: str, tensor: torch.Tensor, rank: int, layout: str) -> None
 def _check_inner_contiguous(name: str, tensor: torch.Tensor) -> None:
     if tensor.numel() > 0 and tensor.stride(-1) != 1:
         raise ValueError(f"{name} has last-dim stride {tensor.stride(-1)}; the head dim must be contiguous")
-
-
-def _check_index(name: str, tensor: torch.Tensor, rank: int) -> None:
-    if tensor.dtype not in INDEX_DTYPES:
-        raise ValueError(f"{name} has dtype {tensor.dtype}; use torch.int32 or torch.int64")
-    _check_rank(name, tensor, rank, "")
 
 
 def check_same_device(named: dict[str, torch.Tensor]) -> torch.device:
@@ -76,6 +70,29 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads:
         )
     _check_inner_contiguous("k_cache", k_cache)
     _check_inner_contiguous("v_cache", v_cache)
+    check_kv_alignment("k_cache", k_cache)
+    check_kv_alignment("v_cache", v_cache)
+
+
+def check_kv_alignment(name: str, cache: torch.Tensor) -> None:
+    """The fast kernels load K/V rows 16 bytes at a time; Triton proves that only for a cache whose base is
+    16-byte aligned and whose block / slot / head strides are multiples of 16 elements (what a launch
+    specialises on). Anything else would silently compile a kernel with 2-byte loads: refuse it."""
+    if cache.numel() == 0:
+        return
+    if cache.data_ptr() % KV_ALIGN_BYTES:
+        raise ValueError(
+            f"{name} starts at address {cache.data_ptr():#x} (storage offset {cache.storage_offset()} elements), "
+            f"not a multiple of {KV_ALIGN_BYTES} bytes; slice cache views at multiples of "
+            f"{KV_ALIGN_BYTES // cache.element_size()} elements"
+        )
+    for dim, label in ((0, "block"), (1, "slot"), (2, "head")):
+        if cache.stride(dim) % KV_STRIDE_ELEMENTS:
+            raise ValueError(
+                f"{name} has {label} stride {cache.stride(dim)} elements (dim {dim} of {tuple(cache.shape)}), not a "
+                f"multiple of {KV_STRIDE_ELEMENTS}; allocate the cache with the head dim padded to a multiple of "
+                f"{KV_STRIDE_ELEMENTS} and pass the [..., :head_dim] view (README: cache alignment)"
+            )
 
 
 def validate_attention_inputs(
@@ -84,23 +101,22 @@ def validate_attention_inputs(
     v_new: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
+    batch: VarlenBatch,
     *,
+    mode: BatchMode,
     window: int,
-    max_query_len: int | None,
-    max_seq_len: int | None,
     scale: float | None,
-    table_period: int | None,
     out: torch.Tensor | None,
-    num_splits: int | None,
-    query_len_limit: int = MAX_QUERY_LEN,
 ) -> AttentionInputs:
-    """Check shapes, dtypes, devices and ring capacity of a ``ring_attention`` call; allocate ``out``.
-
-    ``query_len_limit``: the most queries per request the kernel takes (draft blocks: ``MAX_QUERY_LEN``).
-    """
+    """Check a launcher's tensors against each other and against ``batch`` (validated when it was built);
+    ``mode`` is the batch mode the launcher takes. Allocates ``out``."""
+    if not isinstance(batch, VarlenBatch):
+        raise ValueError(f"batch is {type(batch).__name__}; build one with VarlenBatch.build(...)")
+    if batch.mode is not mode:
+        raise ValueError(
+            f"batch.mode is {batch.mode}; this launcher takes {mode} (draft blocks: ring_attention, prefill chunks: "
+            "ring_prefill_attention)"
+        )
     _check_rank("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
     _check_rank("k_new", k_new, 3, "[num_tokens, num_kv_heads, head_dim]")
     _check_rank("v_new", v_new, 3, "[num_tokens, num_kv_heads, head_dim_v]")
@@ -124,54 +140,32 @@ def validate_attention_inputs(
     for name, tensor in (("q", q), ("k_new", k_new), ("v_new", v_new)):
         _check_inner_contiguous(name, tensor)
     check_cache_pair(k_cache, v_cache, num_kv_heads, head_dim, head_dim_v)
-    _check_index("block_table", block_table, 2)
-    _check_index("query_start_loc", query_start_loc, 1)
-    _check_index("seq_lens", seq_lens, 1)
-    check_same_device(
-        {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache,
-         "block_table": block_table, "query_start_loc": query_start_loc, "seq_lens": seq_lens}
-    )  # fmt: skip
-    num_reqs = seq_lens.shape[0]
-    if query_start_loc.shape[0] != num_reqs + 1:
-        raise ValueError(
-            f"query_start_loc has {query_start_loc.shape[0]} entries; expected num_reqs + 1 = {num_reqs + 1}"
-        )
-    if block_table.shape[0] < num_reqs:
-        raise ValueError(f"block_table has {block_table.shape[0]} rows for {num_reqs} requests; give one row each")
+    check_same_device({"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache,
+                       **batch.tensors()})  # fmt: skip
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window={window!r} must be an int >= 1 (keys a query sees, itself included)")
     scale = head_dim**-0.5 if scale is None else float(scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale={scale} must be a finite positive number (default head_dim ** -0.5)")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits={num_splits!r} must be an int >= 1 or None")
-    if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_reqs else 1
-    if not 1 <= max_query_len <= query_len_limit:
-        hint = "a draft block; use ring_prefill_attention for chunks" if query_len_limit == MAX_QUERY_LEN else ""
-        raise ValueError(f"max_query_len={max_query_len} must be in 1..{query_len_limit} {hint}".rstrip())
     block_size = k_cache.shape[1]
-    width = block_table.shape[1]
-    if table_period is None:
-        if max_seq_len is None:
-            max_seq_len = int(seq_lens.max()) if num_reqs else 0
-        if cdiv(max_seq_len, block_size) > width:
+    width = batch.block_table.shape[1]
+    if batch.table_period is None:
+        if cdiv(batch.max_seq_len, block_size) > width:
             raise ValueError(
-                f"block_table width {width} is too short for max_seq_len={max_seq_len} at block_size={block_size} "
-                f"(needs {cdiv(max_seq_len, block_size)} columns); pass full rows or table_period=R for ring rows"
+                f"block_table width {width} is too short for max_seq_len={batch.max_seq_len} at block_size="
+                f"{block_size} (needs {cdiv(batch.max_seq_len, block_size)} columns); pass full rows or "
+                "table_period=R for ring rows"
             )
-        table_period = max(width, 1)
     else:
         # a draft block's own K/V sit in the ring's slack; a prefill writes after reading (needs the window only)
-        needed = ring_blocks_needed(window, block_size, max_query_len if query_len_limit == MAX_QUERY_LEN else 1)
-        if table_period < needed:
+        lookahead = batch.max_query_len if mode is BatchMode.DRAFT_BLOCK else 1
+        needed = ring_blocks_needed(window, block_size, lookahead)
+        if batch.table_period < needed:
             raise ValueError(
-                f"a ring of table_period={table_period} blocks cannot hold window={window} plus a block of "
-                f"max_query_len={max_query_len} at block_size={block_size}; it needs R >= {needed} "
+                f"a ring of table_period={batch.table_period} blocks cannot hold window={window} plus a block of "
+                f"max_query_len={lookahead} at block_size={block_size}; it needs R >= {needed} "
                 "(plan the ring with RingPlan(window, block_size, lookahead >= query_len))"
             )
-        if width < table_period:
-            raise ValueError(f"block_table width {width} is shorter than table_period={table_period}; give R columns")
     out_shape = (num_tokens, num_q_heads, head_dim_v)
     if out is None:
         out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
@@ -182,26 +176,14 @@ def validate_attention_inputs(
     else:
         _check_inner_contiguous("out", out)
     if debug_checks_enabled():
-        check_metadata_ranges(block_table, query_start_loc, seq_lens, num_tokens, k_cache.shape[0], max_query_len)
-    return AttentionInputs(
-        num_reqs=num_reqs,
-        group_size=num_q_heads // num_kv_heads,
-        max_query_len=max_query_len,
-        scale=scale,
-        table_period=table_period,
-        out=out,
-    )
+        check_metadata_ranges(batch, num_tokens, k_cache.shape[0])
+    return AttentionInputs(group_size=num_q_heads // num_kv_heads, scale=scale, out=out)
 
 
-def check_metadata_ranges(
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    num_tokens: int,
-    num_blocks: int,
-    max_query_len: int,
-) -> None:
-    """Device-syncing checks (``RINGKV_DEBUG_CHECKS=1``): metadata inside the tensors it indexes."""
+def check_metadata_ranges(batch: VarlenBatch, num_tokens: int, num_blocks: int) -> None:
+    """Device-syncing checks (``RINGKV_DEBUG_CHECKS=1``): metadata inside the tensors it indexes and its bounds."""
+    query_start_loc, seq_lens, block_table = batch.query_start_loc, batch.seq_lens, batch.block_table
+    max_query_len = batch.max_query_len
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     if bool((query_lens < 0).any()) or int(query_start_loc[-1]) > num_tokens or int(query_start_loc[0]) < 0:
         raise ValueError(f"query_start_loc {query_start_loc.tolist()} is not monotone within {num_tokens} tokens")
@@ -209,5 +191,7 @@ def check_metadata_ranges(
         raise ValueError(f"a query length exceeds max_query_len={max_query_len}: {query_lens.tolist()}")
     if bool((seq_lens < query_lens).any()):
         raise ValueError("seq_lens must include the block: seq_lens >= query length for every request")
+    if seq_lens.numel() and int(seq_lens.max()) > batch.max_seq_len:
+        raise ValueError(f"a seq_len exceeds max_seq_len={batch.max_seq_len}: {seq_lens.tolist()}")
     if bool(((block_table < 0) | (block_table >= num_blocks)).any()):
         raise ValueError(f"block_table holds ids outside [0, {num_blocks}); check the ring's physical block ids")

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Executable spec of the ring kernels: windowed draft-block attention over the ring, and the ring write.
+"""Executable spec of the ring kernels: windowed attention of a varlen batch over the ring, and the ring write.
 
-Same arguments as the Triton launchers in ``ring_attention.py`` and ``ring_write.py``; loops over requests,
-resolves every key through ``ring_geometry``, computes in fp32 (or fp64). CPU-friendly, not fast.
+Same arguments as the Triton launchers (``ring_attention`` / ``ring_prefill_attention``, ``ring_write``);
+loops over requests, resolves every key through ``ring_geometry``, computes in fp32 (or fp64). CPU-friendly,
+not fast.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .ring_geometry import first_visible_position, table_slot_mapping, visible
+from .varlen import VarlenBatch
 
 
 def gather_ring(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -40,31 +42,26 @@ def ring_attention_reference(
     v_new: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
+    batch: VarlenBatch,
     *,
     window: int,
     causal: bool,
     scale: float | None = None,
-    table_period: int | None = None,
     compute_dtype: torch.dtype = torch.float32,
     **_launch_options: object,
 ) -> torch.Tensor:
-    """Draft-block attention over ring context plus the block's own K/V.
+    """Attention of a varlen batch (draft blocks or prefill chunks) over ring context plus its own K/V.
 
-    Request ``r`` has ``B = query_start_loc[r+1] - query_start_loc[r]`` queries at absolute positions
-    ``P..P+B-1`` with ``P = seq_lens[r] - B``; its keys are the ring history (positions ``< P``, read through
-    ``block_table[r]``) and the block's own ``k_new/v_new`` rows (positions ``P..P+B-1``). Visibility per
-    ``ring_geometry.visible`` (window ``W``: ``q - k < W``, ``k >= 0``, causal ``k <= q`` else ``k - q < W``).
+    Request ``r``'s ``query_len`` queries sit at absolute positions ``context_len .. seq_len - 1``
+    (``varlen``); its keys are the ring history (positions ``< context_len``, read through
+    ``batch.block_table[r]``) and its own ``k_new/v_new`` rows. Visibility per ``ring_geometry.visible``
+    (window ``W``: ``q - k < W``, ``k >= 0``, causal ``k <= q`` else ``k - q < W``).
 
     Args:
         q: [T, Hq, D]; k_new: [T, Hkv, D]; v_new: [T, Hkv, Dv].
         k_cache: [num_blocks, bs, Hkv, D]; v_cache: [num_blocks, bs, Hkv, Dv] (any strides).
-        block_table: [num_reqs, width] physical block ids.
-        query_start_loc: [num_reqs + 1]; seq_lens: [num_reqs] (context + block).
-        window: W. causal: block-key causality. scale: default ``D ** -0.5``.
-        table_period: ring column period (R for a compact row); ``None``: full logical row.
+        batch: the ``VarlenBatch`` the kernels take (either mode).
+        window: W. causal: causality among the batch's own keys. scale: default ``D ** -0.5``.
         compute_dtype: float32 or float64.
         _launch_options: kernel-only options (``out``, ``num_splits``, ...), ignored here.
 
@@ -74,21 +71,22 @@ def ring_attention_reference(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = torch.zeros(q.shape[0], q.shape[1], v_new.shape[-1], dtype=q.dtype, device=q.device)
     block_size = k_cache.shape[1]
-    starts = query_start_loc.tolist()
-    for request, seq_len in enumerate(seq_lens.tolist()):
+    starts = batch.query_start_loc.tolist()
+    for request, seq_len in enumerate(batch.seq_lens.tolist()):
         begin, end = starts[request], starts[request + 1]
-        num_queries = end - begin
-        if num_queries == 0:
+        query_len = end - begin
+        if query_len == 0:
             continue
-        committed = seq_len - num_queries
-        ctx_pos = torch.arange(first_visible_position(committed, window), committed, device=q.device)
-        period = block_table.shape[1] if table_period is None else table_period
-        slots = table_slot_mapping(ctx_pos, block_table[request], block_size=block_size, window=window, period=period)
-        block_pos = torch.arange(committed, seq_len, device=q.device)
+        context_len = seq_len - query_len
+        ctx_pos = torch.arange(first_visible_position(context_len, window), context_len, device=q.device)
+        slots = table_slot_mapping(
+            ctx_pos, batch.block_table[request], block_size=block_size, window=window, period=batch.period
+        )
+        query_pos = torch.arange(context_len, seq_len, device=q.device)
         keys = torch.cat([gather_ring(k_cache, slots), k_new[begin:end]]).to(compute_dtype)
         values = torch.cat([gather_ring(v_cache, slots), v_new[begin:end]]).to(compute_dtype)
-        key_pos = torch.cat([ctx_pos, block_pos])
-        mask = visible(block_pos[:, None], key_pos[None, :], window, causal)
+        key_pos = torch.cat([ctx_pos, query_pos])
+        mask = visible(query_pos[:, None], key_pos[None, :], window, causal)
         out[begin:end] = masked_softmax_attention(q[begin:end].to(compute_dtype), keys, values, mask, scale).to(q.dtype)
     return out
 

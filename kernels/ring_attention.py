@@ -25,6 +25,7 @@ from ._tiles import (
 from ._triton_utils import device_sms, is_interpreter
 from .attention_inputs import AttentionInputs, validate_attention_inputs
 from .configs import AttentionConfig, select_attention_config
+from .varlen import BatchMode, VarlenBatch
 
 LOG2E = 1.4426950408889634
 
@@ -193,16 +194,11 @@ def ring_attention(
     v_new: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
+    batch: VarlenBatch,
     *,
     window: int,
     causal: bool,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
     scale: float | None = None,
-    table_period: int | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -210,38 +206,36 @@ def ring_attention(
 
     Window convention (``window = W``): a query at absolute position ``q`` sees key ``k`` iff ``q - k < W``
     and ``k >= 0``; causal adds ``k <= q``, non-causal adds ``k - q < W`` (vLLM ``sliding_window``;
-    FlashAttention ``(W-1, 0)`` / ``(W-1, W-1)``). Request ``r``'s ``B`` queries sit at positions
-    ``P..P+B-1`` with ``P = seq_lens[r] - B``; context keys ``< P`` come from the ring, the block's own keys
-    from ``k_new``/``v_new``.
+    FlashAttention ``(W-1, 0)`` / ``(W-1, W-1)``). Request ``r``'s ``query_len`` queries sit at positions
+    ``context_len .. seq_len - 1`` (``varlen``); context keys ``< context_len`` come from the ring, the
+    block's own keys from ``k_new``/``v_new``.
 
     Args:
         q: [T, Hq, D] fp16/bf16/fp32. k_new: [T, Hkv, D]. v_new: [T, Hkv, Dv].
-        k_cache: [num_blocks, bs, Hkv, D] view (any strides). v_cache: [num_blocks, bs, Hkv, Dv].
-        block_table: [>= num_reqs, width] int32/int64 physical block ids.
-        query_start_loc: [num_reqs + 1] int32/int64. seq_lens: [num_reqs] int32/int64.
+        k_cache: [num_blocks, bs, Hkv, D] view, v_cache: [num_blocks, bs, Hkv, Dv]: any strides that are
+            multiples of 16 elements, 16-byte aligned base (``check_kv_alignment``).
+        batch: a ``VarlenBatch`` in ``BatchMode.DRAFT_BLOCK``.
         window: W >= 1. causal: causality among the block's own keys.
-        max_query_len, max_seq_len: host-side bounds (pass them on the hot path; ``None`` syncs to compute).
         scale: softmax scale, default ``D ** -0.5``.
-        table_period: ring column period (``R`` for a compact ring row); ``None``: full logical rows.
         out: optional [T, Hq, Dv] output. num_splits: force the split-KV count (tests, benchmarks).
 
     Returns:
         [T, Hq, Dv] in ``q.dtype``; rows past ``query_start_loc[-1]`` are left as they were.
     """
     inputs: AttentionInputs = validate_attention_inputs(
-        q, k_new, v_new, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-        window=window, max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale,
-        table_period=table_period, out=out, num_splits=num_splits,
+        q, k_new, v_new, k_cache, v_cache, batch, mode=BatchMode.DRAFT_BLOCK, window=window, scale=scale, out=out,
     )  # fmt: skip
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits={num_splits!r} must be an int >= 1 or None")
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads = k_new.shape[1]
     head_dim_v = v_new.shape[-1]
     out = inputs.out
-    if inputs.num_reqs == 0 or num_tokens == 0:
+    if batch.num_reqs == 0 or num_tokens == 0:
         return out
     config: AttentionConfig = select_attention_config(
-        num_reqs=inputs.num_reqs, num_kv_heads=num_kv_heads, group_size=inputs.group_size,
-        max_query_len=inputs.max_query_len, head_dim=q.shape[-1], head_dim_v=head_dim_v, window=window,
+        num_reqs=batch.num_reqs, num_kv_heads=num_kv_heads, group_size=inputs.group_size,
+        max_query_len=batch.max_query_len, head_dim=q.shape[-1], head_dim_v=head_dim_v, window=window,
         num_sms=device_sms(q.device), num_splits=num_splits,
     )  # fmt: skip
     if config.num_splits == 1:
@@ -251,15 +245,15 @@ def ring_attention(
         target = torch.empty(config.num_splits, num_tokens, num_q_heads, head_dim_v, device=q.device)
         lse = torch.empty(config.num_splits, num_tokens, num_q_heads, device=q.device)
         o_strides = (target.stride(0), target.stride(1), target.stride(2))
-    grid = (inputs.num_reqs, num_kv_heads * config.num_m_blocks, config.num_splits)
+    grid = (batch.num_reqs, num_kv_heads * config.num_m_blocks, config.num_splits)
     _ring_attention_kernel[grid](
-        target, lse, q, k_new, v_new, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-        inputs.scale * LOG2E, window, inputs.table_period,
+        target, lse, q, k_new, v_new, k_cache, v_cache, batch.block_table, batch.query_start_loc, batch.seq_lens,
+        inputs.scale * LOG2E, window, batch.period,
         *o_strides, lse.stride(0), lse.stride(1),
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0), block_table.stride(1),
+        batch.block_table.stride(0), batch.block_table.stride(1),
         G=inputs.group_size, D=q.shape[-1], DV=head_dim_v, BS=k_cache.shape[1],
         QUERIES_PER_BLOCK=config.queries_per_block, NUM_M_BLOCKS=config.num_m_blocks,
         BLOCK_M=config.BLOCK_M, BLOCK_KB=config.BLOCK_KB, TILE_N=config.TILE_N,
@@ -270,7 +264,7 @@ def ring_attention(
     )  # fmt: skip
     if config.num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](
-            out, target, lse, query_start_loc, inputs.num_reqs,
+            out, target, lse, batch.query_start_loc, batch.num_reqs,
             out.stride(0), out.stride(1), target.stride(0), target.stride(1), target.stride(2),
             lse.stride(0), lse.stride(1),
             DV=head_dim_v, BLOCK_DV=config.BLOCK_DV, NUM_SPLITS=config.num_splits,

@@ -29,8 +29,7 @@ from .configs import select_prefill_config
 from .ring_attention import LOG2E
 from .ring_geometry import last_writer_slots, pad_unwritten, table_slot_mapping, varlen_positions
 from .ring_write import ring_write
-
-MAX_PREFILL_QUERY_LEN = 1 << 20
+from .varlen import BatchMode, VarlenBatch
 
 
 @triton.jit
@@ -138,16 +137,11 @@ def ring_prefill_attention(
     v_new: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
+    batch: VarlenBatch,
     *,
     window: int,
     causal: bool,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
     scale: float | None = None,
-    table_period: int | None = None,
     out: torch.Tensor | None = None,
     write_ring: bool = True,
     slot_mapping: torch.Tensor | None = None,
@@ -156,51 +150,50 @@ def ring_prefill_attention(
 
     Window convention (``window = W``): a query at position ``q`` sees ``k`` iff ``q - k < W``, ``k >= 0``;
     causal adds ``k <= q`` (FlashAttention ``(W-1, 0)``), non-causal ``k - q < W``. Request ``r``'s
-    ``C = query_start_loc[r+1] - query_start_loc[r]`` rows sit at ``P..P+C-1`` with ``P = seq_lens[r] - C``;
-    history ``< P`` is read from the ring through ``block_table`` (column ``(p // bs) mod table_period``,
-    ``None``: full logical rows), the rest from ``k_new``/``v_new``.
+    ``query_len`` rows sit at ``context_len .. seq_len - 1`` (``varlen``); history ``< context_len`` is read from
+    the ring through ``batch.block_table``, the rest from ``k_new``/``v_new``.
 
     With ``write_ring`` the rows are written after the attention (write-after-read): through ``slot_mapping``
     when given (vLLM's), else through ``block_table``; positions before ``seq_lens[r] - (W - 1)`` are dead
     and never written, and of rows sharing a slot only the last is kept.
 
     Args:
-        q: [T, Hq, D]; k: [T, Hkv, D]; v: [T, Hkv, Dv]. Caches: [num_blocks, bs, Hkv, D|Dv] views.
-        block_table: [num_reqs, width]; query_start_loc: [num_reqs + 1]; seq_lens: [num_reqs].
+        q: [T, Hq, D]; k: [T, Hkv, D]; v: [T, Hkv, Dv]. Caches: [num_blocks, bs, Hkv, D|Dv] views (strides that
+            are multiples of 16 elements, 16-byte aligned base).
+        batch: a ``VarlenBatch`` in ``BatchMode.PREFILL_CHUNK``.
 
     Returns:
         [T, Hq, Dv] in ``q.dtype``.
     """
     inputs = validate_attention_inputs(
-        q, k_new, v_new, k_cache, v_cache, block_table, query_start_loc, seq_lens, window=window,
-        max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale, table_period=table_period, out=out,
-        num_splits=None, query_len_limit=MAX_PREFILL_QUERY_LEN,
-    )  # fmt: skip
+        q, k_new, v_new, k_cache, v_cache, batch, mode=BatchMode.PREFILL_CHUNK, window=window, scale=scale, out=out
+    )
     out = inputs.out
     num_tokens, _, head_dim = q.shape
-    if inputs.num_reqs and num_tokens:
+    if batch.num_reqs and num_tokens:
         config = select_prefill_config(
             group_size=inputs.group_size, head_dim=head_dim, head_dim_v=v_new.shape[-1],
-            max_query_len=inputs.max_query_len, interpreted=is_interpreter(),
+            max_query_len=batch.max_query_len, interpreted=is_interpreter(),
         )  # fmt: skip
-        grid = (inputs.num_reqs, triton.cdiv(inputs.max_query_len, config.BLOCK_Q), k_new.shape[1])
+        grid = (batch.num_reqs, triton.cdiv(batch.max_query_len, config.BLOCK_Q), k_new.shape[1])
         _ring_prefill_kernel[grid](
-            out, q, k_new, v_new, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-            inputs.scale * LOG2E, window, inputs.table_period,
+            out, q, k_new, v_new, k_cache, v_cache, batch.block_table, batch.query_start_loc, batch.seq_lens,
+            inputs.scale * LOG2E, window, batch.period,
             out.stride(0), out.stride(1), q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
             v_new.stride(0), v_new.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), block_table.stride(1),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            batch.block_table.stride(0), batch.block_table.stride(1),
             G=inputs.group_size, D=head_dim, DV=v_new.shape[-1], BS=k_cache.shape[1], BLOCK_Q=config.BLOCK_Q,
             BLOCK_M=config.BLOCK_M, TILE_N=config.TILE_N, BLOCK_D=config.BLOCK_D, BLOCK_DV=config.BLOCK_DV,
             CAUSAL=causal, UPCAST=is_interpreter(), FP32_IEEE=q.dtype == torch.float32,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
     if write_ring and num_tokens:
-        request, positions, ends = varlen_positions(query_start_loc, seq_lens, num_tokens)
+        request, positions, ends = varlen_positions(batch.query_start_loc, batch.seq_lens, num_tokens)
         if slot_mapping is None:
             slots = table_slot_mapping(
-                positions, block_table, block_size=k_cache.shape[1], window=window,
-                period=inputs.table_period, request_index=request, committed_end=ends,
+                positions, batch.block_table, block_size=k_cache.shape[1], window=window,
+                period=batch.period, request_index=request, committed_end=ends,
             )  # fmt: skip
         else:
             slots = pad_unwritten(slot_mapping[:num_tokens], positions, ends, window)

@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from ringkv.kernels.attention_inputs import KV_STRIDE_ELEMENTS
 from ringkv.kernels.reference import ring_attention_reference, ring_write_reference
 from ringkv.kernels.ring_geometry import RingPlan, cdiv, first_visible_position, visible
 from ringkv.kernels.tolerance import attention_error
+from ringkv.kernels.varlen import BatchMode, VarlenBatch
 
 NAN = float("nan")
 TENSOR_FIELDS = ("q", "k_new", "v_new", "k_cache", "v_cache", "block_table", "query_start_loc", "seq_lens")
@@ -40,24 +42,39 @@ class RingCase:
     # per request: (first history position, history K [n, Hkv, D], history V [n, Hkv, Dv])
     history: list[tuple[int, torch.Tensor, torch.Tensor]] = field(repr=False)
     seed: int = 0
+    mode: BatchMode = BatchMode.DRAFT_BLOCK
+
+    def batch(self) -> VarlenBatch:
+        """The case's varlen batch (bounds read from the tensors)."""
+        return VarlenBatch.build(
+            self.query_start_loc, self.seq_lens, self.block_table, mode=self.mode, table_period=self.table_period
+        )
 
     def kernel_args(self) -> dict[str, object]:
         return {
             "q": self.q, "k_new": self.k_new, "v_new": self.v_new, "k_cache": self.k_cache,
-            "v_cache": self.v_cache, "block_table": self.block_table, "query_start_loc": self.query_start_loc,
-            "seq_lens": self.seq_lens, "window": self.window, "causal": self.causal,
-            "table_period": self.table_period,
+            "v_cache": self.v_cache, "batch": self.batch(), "window": self.window, "causal": self.causal,
         }  # fmt: skip
 
     def to(self, device: torch.device) -> RingCase:
         """The same case with every tensor on ``device``."""
         moved = {name: getattr(self, name).to(device) for name in TENSOR_FIELDS}
+        # .to() would copy a padded view into a dense (unaligned) tensor: move the padded storage instead
+        for name in ("k_cache", "v_cache"):
+            cache = getattr(self, name)
+            moved[name] = aligned_cache(tuple(cache.shape), cache.dtype, device).copy_(cache)
         return RingCase(**{**self.__dict__, **moved})
 
     @property
-    def committed(self) -> list[int]:
+    def context_lens(self) -> list[int]:
         lens = (self.query_start_loc[1:] - self.query_start_loc[:-1]).tolist()
         return [s - n for s, n in zip(self.seq_lens.tolist(), lens, strict=True)]
+
+
+def aligned_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A NaN-filled ``[num_blocks, bs, H, D]`` view of storage with D padded to a multiple of 16 elements."""
+    padded = cdiv(shape[-1], KV_STRIDE_ELEMENTS) * KV_STRIDE_ELEMENTS
+    return torch.full((*shape[:-1], padded), NAN, dtype=dtype, device=device)[..., : shape[-1]]
 
 
 def make_ring_case(
@@ -76,13 +93,17 @@ def make_ring_case(
     pad_tokens: int = 0,
     seed: int = 0,
     history_fn=None,
+    mode: BatchMode = BatchMode.DRAFT_BLOCK,
 ) -> RingCase:
-    """Build a batch: request ``r`` has committed ``P_r`` positions and a block of ``B_r`` queries.
+    """Build a batch: request ``r`` has context_len ``P_r`` positions and ``B_r`` queries (a draft block, or a
+    prefill chunk with ``mode=BatchMode.PREFILL_CHUNK``).
 
     The pool is NaN everywhere except the live context ``[max(0, P-W+1), P)`` of each request, written
     through ``RingPlan.slot_mapping``; physical blocks are a random permutation of a 2x-oversized pool
     (block 0 is a NaN "null block"). ``full_rows`` gives vLLM-style logical rows (dead blocks -> 0) instead of
     compact R-column rows. ``history_fn(positions) -> (k, v)`` overrides the random history values.
+    The caches are ``[..., :D]`` views of storage whose head dim is padded (with NaN) to a multiple of 16
+    elements, the alignment the kernels require (``check_kv_alignment``).
     """
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     generator = torch.Generator().manual_seed(seed)
@@ -92,8 +113,8 @@ def make_ring_case(
     ring_blocks = plan.num_blocks
     num_reqs = len(requests)
     num_blocks = 2 * ring_blocks * num_reqs + 1
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), NAN, dtype=dtype)
-    v_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim_v), NAN, dtype=dtype)
+    k_cache = aligned_cache((num_blocks, block_size, num_kv_heads, head_dim), dtype)
+    v_cache = aligned_cache((num_blocks, block_size, num_kv_heads, head_dim_v), dtype)
     physical = (torch.randperm(num_blocks - 1, generator=generator) + 1)[: ring_blocks * num_reqs]
     rings = physical.view(num_reqs, ring_blocks).to(torch.int32)
     if full_rows:
@@ -129,7 +150,7 @@ def make_ring_case(
     seq_lens = torch.tensor([p + b for p, b in requests], dtype=torch.int32)
     return RingCase(
         q, k_new, v_new, k_cache, v_cache, block_table, starts, seq_lens, window, causal,
-        table_period, plan, history, seed,
+        table_period, plan, history, seed, mode,
     )  # fmt: skip
 
 
@@ -139,9 +160,9 @@ def dense_oracle(case: RingCase, compute_dtype: torch.dtype = torch.float64) -> 
     starts = case.query_start_loc.tolist()
     for r, (first, k_hist, v_hist) in enumerate(case.history):
         begin, end = starts[r], starts[r + 1]
-        committed = case.committed[r]
-        q_pos = torch.arange(committed, committed + end - begin)
-        k_pos = torch.arange(first, committed + end - begin)
+        context_len = case.context_lens[r]
+        q_pos = torch.arange(context_len, context_len + end - begin)
+        k_pos = torch.arange(first, context_len + end - begin)
         keys = torch.cat([k_hist, case.k_new[begin:end]]).to(compute_dtype)
         values = torch.cat([v_hist, case.v_new[begin:end]]).to(compute_dtype)
         mask = visible(q_pos[:, None], k_pos[None, :], case.window, case.causal)
@@ -162,7 +183,7 @@ def dense_oracle_rows(
     k_new: torch.Tensor,
     v_new: torch.Tensor,
     histories: list[tuple[torch.Tensor, torch.Tensor]],
-    committed: list[int],
+    context_lens: list[int],
     block: int,
     window: int,
     causal: bool,
@@ -171,7 +192,7 @@ def dense_oracle_rows(
     outs = []
     for dtype in (torch.float64, torch.float32):
         out = torch.zeros(q.shape[0], q.shape[1], v_new.shape[-1], dtype=dtype)
-        for r, ((k_hist, v_hist), p) in enumerate(zip(histories, committed, strict=True)):
+        for r, ((k_hist, v_hist), p) in enumerate(zip(histories, context_lens, strict=True)):
             rows = slice(r * block, (r + 1) * block)
             q_pos, k_pos = torch.arange(p, p + block), torch.arange(0, p + block)
             keys = torch.cat([k_hist[:p], k_new[rows]]).to(dtype).transpose(0, 1)[None]
@@ -200,7 +221,7 @@ def describe_index(case: RingCase | None, token: int) -> str:
     starts = case.query_start_loc.tolist()
     for r in range(len(starts) - 1):
         if starts[r] <= token < starts[r + 1]:
-            pos = case.committed[r] + token - starts[r]
+            pos = case.context_lens[r] + token - starts[r]
             period = case.table_period or case.block_table.shape[1]
             slot = case.plan.slot_mapping(torch.tensor([pos]), case.block_table[r], period=period)
             return f"request {r}, query {token - starts[r]}, position {pos}, ring slot {int(slot)}"

@@ -11,7 +11,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from ringkv.dflash2.config import DFlashConfig, LayerAttention
-from ringkv.kernels import ring_attention, ring_attention_reference, ring_write, ring_write_reference
+from ringkv.kernels import (
+    BatchMode,
+    VarlenBatch,
+    ring_attention,
+    ring_attention_reference,
+    ring_write,
+    ring_write_reference,
+)
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, RingPlan, visible
 
 
@@ -128,9 +135,10 @@ class DraftKVCache:
         starts = torch.arange(0, block * len(committed) + 1, block, dtype=torch.int32, device=self.device)
         seq_lens = torch.tensor([p + block for p in committed], dtype=torch.int32, device=self.device)
         rows = ring[torch.tensor(list(requests), device=self.device)]
-        args = (q.to(self.dtype), k_new.to(self.dtype), v_new.to(self.dtype), k_store, v_store, rows, starts,
-                seq_lens)  # fmt: skip
-        options = {"window": window, "causal": spec.causal, "scale": self.scale, "table_period": plan.num_blocks}
+        batch = VarlenBatch(starts, seq_lens, rows, max_query_len=block, max_seq_len=max(committed) + block,
+                            table_period=plan.num_blocks, mode=BatchMode.DRAFT_BLOCK)  # fmt: skip
+        args = (q.to(self.dtype), k_new.to(self.dtype), v_new.to(self.dtype), k_store, v_store, batch)
+        options = {"window": window, "causal": spec.causal, "scale": self.scale}
         if self.attention == "triton":
-            return ring_attention(*args, **options, max_query_len=block).to(q.dtype)
+            return ring_attention(*args, **options).to(q.dtype)
         return ring_attention_reference(*args, **options).to(q.dtype)

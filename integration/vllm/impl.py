@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from ringkv.kernels import ring_attention, ring_prefill_attention, ring_write
+from ringkv.kernels import BatchMode, VarlenBatch, ring_attention, ring_prefill_attention, ring_write
 from ringkv.kernels.attention_inputs import MAX_QUERY_LEN
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, last_writer_slots
 
@@ -105,12 +105,14 @@ class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
         q = query[:n].view(n, self.num_heads, self.head_size)
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, -1)
-        attend = ring_attention if md.max_query_len <= MAX_QUERY_LEN else ring_prefill_attention
+        mode = BatchMode.DRAFT_BLOCK if md.max_query_len <= MAX_QUERY_LEN else BatchMode.PREFILL_CHUNK
+        attend = ring_attention if mode is BatchMode.DRAFT_BLOCK else ring_prefill_attention
         options = {"write_ring": False} if attend is ring_prefill_attention else {}
+        batch = VarlenBatch(md.query_start_loc, md.seq_lens, md.block_table, md.max_query_len, md.max_seq_len,
+                            table_period=None, mode=mode)  # fmt: skip
         attend(
-            q, k, v, k_cache, v_cache, md.block_table, md.query_start_loc, md.seq_lens,
-            window=self.window, causal=md.causal, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
-            scale=self.scale, out=output[:n].view(n, self.num_heads, -1), **options,
+            q, k, v, k_cache, v_cache, batch, window=self.window, causal=md.causal, scale=self.scale,
+            out=output[:n].view(n, self.num_heads, -1), **options,
         )  # fmt: skip
         if md.live_slots is not None and n:
             # write-after-read: the chunk's first queries needed the history these rows may replace

@@ -68,11 +68,11 @@ def onehot_history(depth: int):
     return history
 
 
-def expected_attended(committed: int, offset: int, num_queries: int, window: int, causal: bool) -> list[int]:
-    """Positions a query at ``committed + offset`` sees (the contract, spelled out as a list)."""
-    query = committed + offset
-    context = list(range(first_visible_position(query, window), committed))
-    block = [committed + j for j in range(num_queries)]
+def expected_attended(context_len: int, offset: int, num_queries: int, window: int, causal: bool) -> list[int]:
+    """Positions a query at ``context_len + offset`` sees (the contract, spelled out as a list)."""
+    query = context_len + offset
+    context = list(range(first_visible_position(query, window), context_len))
+    block = [context_len + j for j in range(num_queries)]
     block = [k for k in block if query - k < window and (k <= query if causal else k - query < window)]
     return context + block
 

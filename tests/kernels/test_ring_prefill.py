@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ringkv.kernels import RingPlan, ring_attention, ring_prefill_attention
+from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, ring_prefill_attention
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW
 
 from tests.testing import NAN, assert_attention_close, dense_oracle_rows, make_ring_case, reference_pair, stable_seed
@@ -32,6 +32,7 @@ def test_ring_prefill_matches_reference(requests, window, bs, hq, hkv, d, dtype,
     case = make_ring_case(
         requests, window=window, block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype,
         causal=causal, lookahead=1, full_rows=full_rows, pad_tokens=3, seed=stable_seed(requests, window, causal),
+        mode=BatchMode.PREFILL_CHUNK,
     )  # fmt: skip
     ref_hi, ref_lo = reference_pair(case)
     case = case.to(device)
@@ -56,44 +57,47 @@ def test_chunks_through_the_ring_then_decode_match_full_history(causal, device):
     table = table.to(torch.int32).to(device)
     history = [(torch.zeros(0, hkv, d), torch.zeros(0, hkv, d)) for _ in range(2)]
     for chunks in [(5, 150), (1, 90), (150, 1)]:
-        committed = [len(h[0]) for h in history]
+        context_lens = [len(h[0]) for h in history]
         rows = [torch.randn(c, hkv, d, generator=generator) for c in chunks]
         vals = [torch.randn(c, hkv, d, generator=generator) for c in chunks]
         q = torch.randn(sum(chunks), hq, d, generator=generator)
         starts = torch.tensor([0, chunks[0], sum(chunks)], dtype=torch.int32)
-        seq_lens = torch.tensor([p + c for p, c in zip(committed, chunks, strict=True)], dtype=torch.int32)
+        seq_lens = torch.tensor([p + c for p, c in zip(context_lens, chunks, strict=True)], dtype=torch.int32)
+        batch = VarlenBatch.build(starts.to(device), seq_lens.to(device), table, mode=BatchMode.PREFILL_CHUNK,
+                                  table_period=plan.num_blocks)  # fmt: skip
         out = ring_prefill_attention(
-            q.to(device), torch.cat(rows).to(device), torch.cat(vals).to(device), k_cache, v_cache, table,
-            starts.to(device), seq_lens.to(device), window=window, causal=causal, table_period=plan.num_blocks,
+            q.to(device), torch.cat(rows).to(device), torch.cat(vals).to(device), k_cache, v_cache, batch,
+            window=window, causal=causal,
         )  # fmt: skip
         for r in range(2):
             rows_r = slice(int(starts[r]), int(starts[r + 1]))
-            hi, lo = dense_oracle_rows(q[rows_r], rows[r], vals[r], [history[r]], [committed[r]], chunks[r],
+            hi, lo = dense_oracle_rows(q[rows_r], rows[r], vals[r], [history[r]], [context_lens[r]], chunks[r],
                                        window, causal)  # fmt: skip
             assert_attention_close(out[rows_r].cpu(), hi, lo, name=f"chunk {chunks} request {r}")
             history[r] = (torch.cat([history[r][0], rows[r]]), torch.cat([history[r][1], vals[r]]))
     # a draft block after the chunks reads only what the writes left in the ring
     block = 4
-    committed = [len(h[0]) for h in history]
+    context_lens = [len(h[0]) for h in history]
     q = torch.randn(2 * block, hq, d, generator=generator)
     k_new, v_new = (
         torch.randn(2 * block, hkv, d, generator=generator),
         torch.randn(2 * block, hkv, d, generator=generator),
     )
-    out = ring_attention(
-        q.to(device), k_new.to(device), v_new.to(device), k_cache, v_cache, table,
+    batch = VarlenBatch.build(
         torch.tensor([0, block, 2 * block], dtype=torch.int32, device=device),
-        torch.tensor([p + block for p in committed], dtype=torch.int32, device=device),
-        window=window, causal=causal, table_period=plan.num_blocks,
+        torch.tensor([p + block for p in context_lens], dtype=torch.int32, device=device),
+        table, mode=BatchMode.DRAFT_BLOCK, table_period=plan.num_blocks,
     )  # fmt: skip
-    hi, lo = dense_oracle_rows(q, k_new, v_new, history, committed, block, window, causal)
+    out = ring_attention(q.to(device), k_new.to(device), v_new.to(device), k_cache, v_cache, batch, window=window,
+                         causal=causal)  # fmt: skip
+    hi, lo = dense_oracle_rows(q, k_new, v_new, history, context_lens, block, window, causal)
     assert_attention_close(out.cpu(), hi, lo, name="decode after prefill chunks")
 
 
 def test_vllm_slot_mapping_drops_dead_rows_and_duplicates(device):
     """With a caller's slot mapping (vLLM's), dead positions are not written and the last writer wins."""
     case = make_ring_case([(0, 100)], window=16, block_size=4, num_q_heads=2, num_kv_heads=1, head_dim=16,
-                          lookahead=1)  # fmt: skip
+                          lookahead=1, mode=BatchMode.PREFILL_CHUNK)  # fmt: skip
     case = case.to(device)
     plan = case.plan
     positions = torch.arange(100, device=device)

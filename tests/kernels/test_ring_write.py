@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ringkv.kernels import RingPlan, ring_write, ring_write_reference
+from ringkv.kernels.attention_inputs import KV_STRIDE_ELEMENTS
 
 from tests.testing import NAN
 
@@ -13,15 +14,21 @@ pytestmark = pytest.mark.interpreter
 
 
 def vllm_layer_view(num_blocks: int, block_size: int, heads: int, head_dim: int, dtype: torch.dtype, order: str):
-    """A vLLM per-layer cache ``[num_blocks, H, N, 2D]`` (logical) with physical layout ``order`` and its
-    K/V views ``[num_blocks, N, H, D]``: ``"BHN"`` = heads outer (LBHNC), ``"BNH"`` = slots outer (LBNHC)."""
+    """A vLLM per-layer cache ``[num_blocks, H, N, 2D']`` (logical) with physical layout ``order`` and its
+    K/V views ``[num_blocks, N, H, D]``: ``"BHN"`` = heads outer (LBHNC), ``"BNH"`` = slots outer (LBNHC).
+    ``D' = D`` rounded up to 16 elements: the kernels need 16-element strides (``check_kv_alignment``)."""
+    padded = -(-head_dim // KV_STRIDE_ELEMENTS) * KV_STRIDE_ELEMENTS
     if order == "BHN":
-        storage = torch.full((num_blocks, heads, block_size, 2 * head_dim), NAN, dtype=dtype)
+        storage = torch.full((num_blocks, heads, block_size, 2 * padded), NAN, dtype=dtype)
     else:
-        storage = torch.full((num_blocks, block_size, heads, 2 * head_dim), NAN, dtype=dtype).transpose(1, 2)
-    k_view = storage[..., :head_dim].transpose(1, 2)
-    v_view = storage[..., head_dim:].transpose(1, 2)
-    return storage, k_view, v_view
+        storage = torch.full((num_blocks, block_size, heads, 2 * padded), NAN, dtype=dtype).transpose(1, 2)
+    return storage, *kv_views(storage, head_dim)
+
+
+def kv_views(storage: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V ``[num_blocks, N, H, D]`` views of a ``[num_blocks, H, N, 2D']`` layer cache."""
+    padded = storage.shape[-1] // 2
+    return storage[..., :head_dim].transpose(1, 2), storage[..., padded : padded + head_dim].transpose(1, 2)
 
 
 @pytest.mark.parametrize("order", ["BHN", "BNH"])
@@ -42,7 +49,7 @@ def test_ring_write_matches_reference(order, dtype, heads, head_dim, device):
     ring_write_reference(k, v, k_ref, v_ref, slots)
     storage, k_view, v_view = vllm_layer_view(num_blocks, 8, heads, head_dim, dtype, order)
     storage = storage.to(device)
-    k_view, v_view = storage[..., :head_dim].transpose(1, 2), storage[..., head_dim:].transpose(1, 2)
+    k_view, v_view = kv_views(storage, head_dim)
     ring_write(k.to(device), v.to(device), k_view, v_view, slots.to(device))
     torch.testing.assert_close(k_view.cpu(), k_ref, equal_nan=True, atol=0, rtol=0)
     torch.testing.assert_close(v_view.cpu(), v_ref, equal_nan=True, atol=0, rtol=0)
