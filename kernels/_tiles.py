@@ -1,7 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Triton building blocks shared by ``ring_attention`` and ``ring_prefill_attention``: loading a tile of
-keys from the ring (the in-kernel form of ``ring_geometry``'s slot formula) or from the batch's own rows,
-scoring it, masking it by absolute position, and the online-softmax update."""
+"""Triton building blocks shared by ``ring_attention`` and ``ring_prefill_attention``: locating a tile of
+ring keys (the in-kernel form of ``ring_geometry``'s slot formula, here and nowhere else), loading it or a
+tile of the batch's own rows, scoring it, masking it by absolute position, and the online-softmax update.
+
+Window convention (``window = W``): a query at absolute position ``q`` sees key ``k`` iff ``q - k < W`` and
+``k >= 0``; causal adds ``k <= q``, non-causal adds ``k - q < W`` (``ring_geometry.visible``).
+"""
 
 from __future__ import annotations
 
@@ -10,61 +14,51 @@ import triton.language as tl
 
 
 @triton.jit
-def load_ring_tile(
-    kc_ptr,  # [num_blocks, BS, HKV, D]
-    vc_ptr,  # [num_blocks, BS, HKV, DV]
-    table_row_ptr,  # [width]   this request's block-table row
-    k_pos,  # [TILE_N] absolute positions
-    m_k,  # [TILE_N] which positions to load
-    table_period,
-    off_kh,  # head offset into kc (i_h * stride_kc_h)
-    off_vh,
-    stride_kc_b: tl.int64,
-    stride_kc_s: tl.int64,
-    stride_vc_b: tl.int64,
-    stride_vc_s: tl.int64,
-    stride_bt_c: tl.int64,
-    o_d,
-    o_dv,
-    m_d,
-    m_dv,
-    BS: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    # slot of position p: table[(p // bs) mod period] * bs + p mod bs  (ring_geometry.table_slot_mapping)
-    col = (k_pos // BS) % table_period
-    b_blk = tl.load(table_row_ptr + col.to(tl.int64) * stride_bt_c, mask=m_k, other=0).to(tl.int64)
-    o_in = (k_pos % BS).to(tl.int64)
-    o_k = b_blk * stride_kc_b + o_in * stride_kc_s + off_kh
-    o_v = b_blk * stride_vc_b + o_in * stride_vc_s + off_vh
-    b_k = tl.load(kc_ptr + o_k[:, None] + o_d[None, :], mask=m_k[:, None] & m_d[None, :], other=0.0)
-    b_v = tl.load(vc_ptr + o_v[:, None] + o_dv[None, :], mask=m_k[:, None] & m_dv[None, :], other=0.0)
-    if UPCAST:
-        b_k = b_k.to(tl.float32)
-        b_v = b_v.to(tl.float32)
-    return b_k, b_v
+def ring_tile_rows(table_row_ptr, start, k_pos, m_k, table_period, stride_bt_c: tl.int64, BS: tl.constexpr,
+                   TILE_N: tl.constexpr):  # fmt: skip
+    """Physical block and in-block row of the tile's positions ``k_pos = start + arange(TILE_N)``:
+    ``table[(p // bs) mod period]`` and ``p mod bs`` (``ring_geometry.table_slot_mapping``).
+
+    ``start`` is a multiple of ``TILE_N``. When ``TILE_N`` divides ``BS`` the tile lies in one KV block: one
+    scalar table load, and the rows are ``start mod bs + arange``, so the per-row offsets stay loop-invariant
+    and the loads vectorise; otherwise (``bs`` below 16 or not a multiple of the tile) one id per row.
+    """
+    if BS % TILE_N == 0:
+        b_blk = tl.load(table_row_ptr + ((start // BS) % table_period).to(tl.int64) * stride_bt_c).to(tl.int64)
+        o_in = (start % BS + tl.arange(0, TILE_N)).to(tl.int64)
+    else:
+        col = (k_pos // BS) % table_period
+        b_blk = tl.load(table_row_ptr + col.to(tl.int64) * stride_bt_c, mask=m_k, other=0).to(tl.int64)
+        o_in = (k_pos % BS).to(tl.int64)
+    return b_blk, o_in
 
 
 @triton.jit
-def load_row_tile(
-    k_ptr,  # [T, HKV, D]
-    v_ptr,  # [T, HKV, DV]
-    o_tok,  # [N] int64 token rows
-    m_k,
-    off_kh,  # i_h * stride_k_h
-    off_vh,
-    stride_k_t: tl.int64,
-    stride_v_t: tl.int64,
+def load_kv_tile(
+    k_ptr,  # K rows base (head offset applied)
+    v_ptr,
+    o_k,  # [TILE_N] int64 element offsets of the K rows
+    o_v,  # [TILE_N] int64 element offsets of the V rows
+    m_k,  # [TILE_N] which rows to load; the others read as 0 (so 0 * NaN never reaches the output)
     o_d,
     o_dv,
-    m_d,
-    m_dv,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    p_k = k_ptr + o_tok[:, None] * stride_k_t + off_kh + o_d[None, :]
-    p_v = v_ptr + o_tok[:, None] * stride_v_t + off_vh + o_dv[None, :]
-    b_k = tl.load(p_k, mask=m_k[:, None] & m_d[None, :], other=0.0)
-    b_v = tl.load(p_v, mask=m_k[:, None] & m_dv[None, :], other=0.0)
+    # the head-dim mask only where the tile is padded: a row-uniform mask keeps 16-byte vector loads
+    if BLOCK_D == D:
+        m_kd = m_k[:, None]
+    else:
+        m_kd = m_k[:, None] & (o_d < D)[None, :]
+    if BLOCK_DV == DV:
+        m_vd = m_k[:, None]
+    else:
+        m_vd = m_k[:, None] & (o_dv < DV)[None, :]
+    b_k = tl.load(k_ptr + o_k[:, None] + o_d[None, :], mask=m_kd, other=0.0)
+    b_v = tl.load(v_ptr + o_v[:, None] + o_dv[None, :], mask=m_vd, other=0.0)
     if UPCAST:
         b_k = b_k.to(tl.float32)
         b_v = b_v.to(tl.float32)
@@ -73,7 +67,7 @@ def load_row_tile(
 
 @triton.jit
 def scores(b_q, b_k, qk_scale, FP32_IEEE: tl.constexpr):
-    # [BLOCK_M, N] log2-domain scores
+    # [BLOCK_M, TILE_N] log2-domain scores
     if FP32_IEEE:
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
     else:
@@ -82,10 +76,12 @@ def scores(b_q, b_k, qk_scale, FP32_IEEE: tl.constexpr):
 
 
 @triton.jit
-def visible_mask(q_pos, k_pos, m_row, m_k, window, CAUSAL: tl.constexpr):
-    # the contract (ring_geometry.visible): q - k < W, plus k <= q (causal) or k - q < W
+def visible_mask(q_pos, k_pos, m_k, window, CAUSAL: tl.constexpr):
+    # the contract (ring_geometry.visible) for keys at or after the queries' context (k >= 0 holds): q - k < W,
+    # plus k <= q (causal) or k - q < W; m_k drops the tile's padding keys. Padding query rows need no mask:
+    # their Q is 0, their scores finite, and their output is never stored.
     delta = q_pos[:, None] - k_pos[None, :]
-    m_vis = m_row[:, None] & m_k[None, :] & (delta < window) & (k_pos[None, :] >= 0)
+    m_vis = m_k[None, :] & (delta < window)
     if CAUSAL:
         m_vis = m_vis & (delta >= 0)
     else:
@@ -95,7 +91,7 @@ def visible_mask(q_pos, k_pos, m_row, m_k, window, CAUSAL: tl.constexpr):
 
 @triton.jit
 def online_softmax_update(m_i, l_i, acc, s, v, FP32_IEEE: tl.constexpr):
-    # s: [BLOCK_M, N] log2-domain scores with -inf where invisible; v: [N, BLOCK_DV]
+    # s: [BLOCK_M, TILE_N] log2-domain scores with -inf where invisible; v: [TILE_N, BLOCK_DV]
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # rows that have seen no key yet keep m = -inf; pivot on 0 so exp2 gives 0, never NaN
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -111,12 +107,19 @@ def online_softmax_update(m_i, l_i, acc, s, v, FP32_IEEE: tl.constexpr):
 
 
 @triton.jit
+def attend_tile(m_i, l_i, acc, b_q, b_k, b_v, m_vis, qk_scale, FP32_IEEE: tl.constexpr):
+    """Score one K/V tile, hide the invisible keys (``m_vis`` [BLOCK_M, TILE_N]), fold it into the online softmax."""
+    b_s = tl.where(m_vis, scores(b_q, b_k, qk_scale, FP32_IEEE), float("-inf"))
+    return online_softmax_update(m_i, l_i, acc, b_s, b_v, FP32_IEEE)
+
+
+@triton.jit
 def load_query_rows(
     q_ptr,  # [T, HQ, D]
     bos,  # first token of the request (int64)
     q0,  # first query index of this program
     q_len,
-    committed,
+    context_len,
     i_h,
     stride_q_t: tl.int64,
     stride_q_h: tl.int64,
@@ -127,7 +130,8 @@ def load_query_rows(
     BLOCK_M: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    # rows: [BLOCK_M] -> (query i, head g) query-major, QUERIES queries x G heads of KV head i_h
+    # rows: [BLOCK_M] -> (query i, head g) query-major, QUERIES queries x G heads of KV head i_h; rows past
+    # QUERIES * G pad the tile to the MMA size and stay masked
     o_m = tl.arange(0, BLOCK_M)
     o_i = q0 + o_m // G
     o_head = i_h * G + (o_m % G)
@@ -136,36 +140,74 @@ def load_query_rows(
     b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
     if UPCAST:
         b_q = b_q.to(tl.float32)
-    return o_i, o_head, m_row, committed + o_i, b_q
+    return o_i, o_head, m_row, context_len + o_i, b_q
 
 
 @triton.jit
 def request_span(query_start_loc_ptr, seq_lens_ptr, i_r):
-    # request i_r's first token, its query count, and P: the positions before its queries
+    # request i_r's first token, its query count, and its context length (vLLM's context_len: the positions
+    # before this step's queries, seq_len - query_len)
     bos = tl.load(query_start_loc_ptr + i_r).to(tl.int64)
     q_len = (tl.load(query_start_loc_ptr + i_r + 1) - bos).to(tl.int32)
     return bos, q_len, tl.load(seq_lens_ptr + i_r).to(tl.int32) - q_len
 
 
 @triton.jit
+def ring_tile_count(lo, hi, TILE_N: tl.constexpr):
+    # tiles of TILE_N positions, aligned to multiples of TILE_N, that cover [lo, hi); 0 when empty
+    return tl.where(hi > lo, tl.cdiv(hi - (lo - lo % TILE_N), TILE_N), 0)
+
+
+@triton.jit
 def attend_ring_range(
-    m_i, l_i, acc, b_q, q_pos, m_row,
-    lo, hi,  # ring history positions [lo, hi), all below every query
-    kc_ptr, vc_ptr, table_row_ptr, table_period, off_kh, off_vh,
+    m_i, l_i, acc, b_q, q_pos,
+    lo, hi,  # ring history positions [lo, hi), all below every query, lo >= 0
+    tile_lo, tile_hi,  # which tiles of [lo, hi) this program reads, counted from lo rounded down to TILE_N
+    kc_ptr, vc_ptr, table_row_ptr, table_period,
     stride_kc_b: tl.int64, stride_kc_s: tl.int64, stride_vc_b: tl.int64, stride_vc_s: tl.int64,
     stride_bt_c: tl.int64,
-    o_d, o_dv, m_d, m_dv, qk_scale, window,
+    o_d, o_dv, qk_scale, window,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BS: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr, FP32_IEEE: tl.constexpr,
 ):  # fmt: skip
-    for start in range(lo, hi, TILE_N):
-        k_pos = start + tl.arange(0, TILE_N)
-        m_k = k_pos < hi
-        b_k, b_v = load_ring_tile(
-            kc_ptr, vc_ptr, table_row_ptr, k_pos, m_k, table_period, off_kh, off_vh,
-            stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, stride_bt_c, o_d, o_dv, m_d, m_dv, BS, UPCAST,
+    """Ring history keys, one tile (= one KV block, or part of one, when ``TILE_N`` divides ``bs``) per step."""
+    o_n = tl.arange(0, TILE_N)
+    base = lo - lo % TILE_N
+    for i_t in range(tile_lo, tile_hi):
+        start = base + i_t * TILE_N
+        k_pos = start + o_n
+        m_k = (k_pos >= lo) & (k_pos < hi)
+        b_blk, o_in = ring_tile_rows(table_row_ptr, start, k_pos, m_k, table_period, stride_bt_c, BS, TILE_N)
+        b_k, b_v = load_kv_tile(
+            kc_ptr, vc_ptr, b_blk * stride_kc_b + o_in * stride_kc_s, b_blk * stride_vc_b + o_in * stride_vc_s,
+            m_k, o_d, o_dv, D, DV, BLOCK_D, BLOCK_DV, UPCAST,
         )  # fmt: skip
-        # history keys are below every query: only the left window edge can hide them
-        b_s = tl.where(visible_mask(q_pos, k_pos, m_row, m_k, window, True), scores(b_q, b_k, qk_scale, FP32_IEEE),
-                       float("-inf"))  # fmt: skip
-        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, b_s, b_v, FP32_IEEE)
+        # history keys lie below every query: only the left window edge and the range's end can hide them (keys
+        # below lo are left of every row's window; they and the keys past hi were loaded as 0)
+        m_vis = ((q_pos[:, None] - k_pos[None, :]) < window) & (k_pos < hi)[None, :]
+        m_i, l_i, acc = attend_tile(m_i, l_i, acc, b_q, b_k, b_v, m_vis, qk_scale, FP32_IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def attend_rows_range(
+    m_i, l_i, acc, b_q, q_pos,
+    lo, hi,  # positions [lo, hi) of the batch's own rows
+    k_ptr, v_ptr,  # K/V rows with the head offset applied
+    row0,  # token row of position lo (int64)
+    stride_k_t: tl.int64, stride_v_t: tl.int64,
+    o_d, o_dv, qk_scale, window,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    TILE_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, FP32_IEEE: tl.constexpr,
+):  # fmt: skip
+    """The batch's own keys (``k_new`` / ``v_new`` rows), ``TILE_N`` contiguous rows per step."""
+    o_n = tl.arange(0, TILE_N)
+    for start in range(lo, hi, TILE_N):
+        k_pos = start + o_n
+        m_k = k_pos < hi
+        o_tok = row0 + (start - lo + o_n).to(tl.int64)
+        b_k, b_v = load_kv_tile(k_ptr, v_ptr, o_tok * stride_k_t, o_tok * stride_v_t, m_k, o_d, o_dv, D, DV,
+                                BLOCK_D, BLOCK_DV, UPCAST)  # fmt: skip
+        m_vis = visible_mask(q_pos, k_pos, m_k, window, CAUSAL)
+        m_i, l_i, acc = attend_tile(m_i, l_i, acc, b_q, b_k, b_v, m_vis, qk_scale, FP32_IEEE)
     return m_i, l_i, acc

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from ._triton_utils import next_pow2
 from .ring_geometry import cdiv
 
-# Largest query-row tile: G*B rows of one KV head beyond this are split over row blocks.
-MAX_BLOCK_M = 128
+# Query rows of one ring_attention program: the G x B rows of one KV head, padded to the 64-row tile one
+# Hopper warp group's wgmma takes (a 32-row tile takes mma.sync with every warp holding all of Q and P).
+ATTENTION_BLOCK_M = 64
 # Split-KV aims for this many programs per SM before it stops splitting the window.
 PROGRAMS_PER_SM = 2
 MAX_SPLITS = 16
@@ -19,72 +20,57 @@ MIN_DOT_DIM = 16
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Launch shape of ``ring_attention``.
+    """Launch shape of ``ring_attention``: every field is a kernel constexpr, so one config = one compiled kernel.
 
-    BLOCK_M: query rows (query-major, ``row = i * G + g``) per program; BLOCK_KB: the block's own keys;
-    TILE_N: context keys per loop iteration; BLOCK_D / BLOCK_DV: padded head dims;
-    queries_per_block / num_m_blocks: queries per row block, row blocks per KV head;
-    num_splits: window splits (LSE-combined when > 1).
+    BLOCK_M: query rows (query-major, ``row = i * G + g``) per program; queries_per_block = ``BLOCK_M // G``;
+    TILE_N: keys per loop step (a whole KV block, or part of one, when it divides ``bs``);
+    BLOCK_D / BLOCK_DV: padded head dims.
     """
 
     BLOCK_M: int
-    BLOCK_KB: int
     TILE_N: int
     BLOCK_D: int
     BLOCK_DV: int
     queries_per_block: int
-    num_m_blocks: int
-    num_splits: int
     num_warps: int
     num_stages: int
 
 
-def select_attention_config(
-    *,
-    num_reqs: int,
-    num_kv_heads: int,
-    group_size: int,
-    max_query_len: int,
-    head_dim: int,
-    head_dim_v: int,
-    window: int,
-    num_sms: int,
-    num_splits: int | None = None,
-) -> AttentionConfig:
-    """Pick tiles from shapes only (never positions), so a CUDA graph replays for any position.
+def ring_tile_keys(block_size: int) -> int:
+    """Keys per step over the ring: ``bs`` itself when it is a power of two in 16..64 (one KV block, one scalar
+    block id), the largest such power dividing ``bs`` for bigger blocks, else 16 (rows from several blocks)."""
+    tile = MIN_DOT_DIM
+    while tile < 64 and block_size % (2 * tile) == 0:
+        tile *= 2
+    return tile
 
-    Split-KV: while ``num_reqs * num_kv_heads * row_blocks`` programs leave SMs idle, split the window's
-    ``W - 1`` context keys into up to ``MAX_SPLITS`` parts of at least two tiles each.
-    """
-    if max_query_len < 1:
-        raise ValueError(f"max_query_len={max_query_len} must be >= 1")
-    queries_per_block = max(1, min(max_query_len, MAX_BLOCK_M // group_size))
-    num_m_blocks = cdiv(max_query_len, queries_per_block)
-    block_m = max(MIN_DOT_DIM, next_pow2(queries_per_block * group_size))
-    block_kb = max(MIN_DOT_DIM, next_pow2(max_query_len))
-    block_d = max(MIN_DOT_DIM, next_pow2(head_dim))
-    block_dv = max(MIN_DOT_DIM, next_pow2(head_dim_v))
-    tile_n = 32 if max(block_d, block_dv) > 128 else 64
-    if num_splits is None:
-        base = num_reqs * num_kv_heads * num_m_blocks
-        wanted = cdiv(PROGRAMS_PER_SM * num_sms, max(base, 1))
-        most = max(1, min(MAX_SPLITS, (window - 1) // (2 * tile_n)))
-        num_splits = max(1, min(wanted, most))
-    if num_splits < 1:
-        raise ValueError(f"num_splits={num_splits} must be >= 1")
-    num_warps = 8 if block_m * max(block_d, block_dv) >= 128 * 128 else 4
+
+def select_attention_config(*, group_size: int, head_dim: int, head_dim_v: int, block_size: int) -> AttentionConfig:
+    """Pick tiles from the head shape and block size only: never the number of requests, the draft-block length
+    or a position, so one compiled kernel serves every batch (and a CUDA graph replays for any position)."""
+    block_m = max(ATTENTION_BLOCK_M, next_pow2(group_size))
     return AttentionConfig(
         BLOCK_M=block_m,
-        BLOCK_KB=block_kb,
-        TILE_N=tile_n,
-        BLOCK_D=block_d,
-        BLOCK_DV=block_dv,
-        queries_per_block=queries_per_block,
-        num_m_blocks=num_m_blocks,
-        num_splits=num_splits,
-        num_warps=num_warps,
-        num_stages=2,
+        TILE_N=ring_tile_keys(block_size),
+        BLOCK_D=max(MIN_DOT_DIM, next_pow2(head_dim)),
+        BLOCK_DV=max(MIN_DOT_DIM, next_pow2(head_dim_v)),
+        queries_per_block=block_m // group_size,
+        num_warps=4,
+        # three K/V tiles in flight per program: at the DFlash2 shape also the fewest registers (sm_90 128,
+        # sm_100 128; two stages: 118 / 158), so 4 CTAs per SM on both (bench/README.md)
+        num_stages=3,
     )
+
+
+def select_num_splits(
+    *, num_reqs: int, num_kv_heads: int, num_m_blocks: int, window: int, tile_n: int, num_sms: int
+) -> int:
+    """Split-KV count, a runtime kernel argument: while ``num_reqs * num_kv_heads * num_m_blocks`` programs
+    leave SMs idle, split the window's ``W - 1`` context keys into up to ``MAX_SPLITS`` parts of >= 2 tiles."""
+    base = max(num_reqs * num_kv_heads * num_m_blocks, 1)
+    wanted = cdiv(PROGRAMS_PER_SM * num_sms, base)
+    most = max(1, min(MAX_SPLITS, (window - 1) // (2 * tile_n)))
+    return max(1, min(wanted, most))
 
 
 @dataclass(frozen=True)
@@ -110,11 +96,13 @@ def select_write_config(*, num_kv_heads: int, head_dim: int) -> WriteConfig:
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Launch shape of ``ring_prefill_attention``: ``BLOCK_Q`` queries x G heads (``BLOCK_M`` rows) per program."""
+    """Launch shape of ``ring_prefill_attention``: ``BLOCK_Q`` queries x G heads (``BLOCK_M`` rows) per program;
+    ``TILE_N`` ring keys (``ring_tile_keys``) and ``TILE_C`` chunk keys per loop step."""
 
     BLOCK_Q: int
     BLOCK_M: int
     TILE_N: int
+    TILE_C: int
     BLOCK_D: int
     BLOCK_DV: int
     num_warps: int
@@ -129,7 +117,13 @@ INTERPRETED_PREFILL_BLOCK_M = 1024
 
 
 def select_prefill_config(
-    *, group_size: int, head_dim: int, head_dim_v: int, max_query_len: int = 0, interpreted: bool = False
+    *,
+    group_size: int,
+    head_dim: int,
+    head_dim_v: int,
+    block_size: int,
+    max_query_len: int = 0,
+    interpreted: bool = False,
 ) -> PrefillConfig:
     """All G heads of a query in one program; as many queries as fill ``PREFILL_BLOCK_M`` rows (under the
     interpreter, ``INTERPRETED_PREFILL_BLOCK_M`` for chunks of ``INTERPRETED_LONG_CHUNK`` queries or more)."""
@@ -139,12 +133,16 @@ def select_prefill_config(
     block_q = max(1, rows // group_size)
     block_d = max(MIN_DOT_DIM, next_pow2(head_dim))
     block_dv = max(MIN_DOT_DIM, next_pow2(head_dim_v))
+    # head_dim 256: a 64 x 256 fp32 accumulator is 128 registers a thread at 4 warps (spills with 32-key tiles);
+    # 8 warps split it over two warp groups (sm_90: 177 registers, no spills; bench/README.md)
+    wide = max(block_d, block_dv) > 128
     return PrefillConfig(
         BLOCK_Q=block_q,
         BLOCK_M=max(MIN_DOT_DIM, next_pow2(block_q * group_size)),
-        TILE_N=32 if max(block_d, block_dv) > 128 else 64,
+        TILE_N=ring_tile_keys(block_size),
+        TILE_C=32 if wide else 64,
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,
-        num_warps=4,
+        num_warps=8 if wide else 4,
         num_stages=2,
     )

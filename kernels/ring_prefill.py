@@ -14,18 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tiles import (
-    attend_ring_range,
-    load_query_rows,
-    load_row_tile,
-    online_softmax_update,
-    request_span,
-    scores,
-    visible_mask,
-)
+from ._tiles import attend_ring_range, attend_rows_range, load_query_rows, request_span, ring_tile_count
 from ._triton_utils import is_interpreter
 from .attention_inputs import validate_attention_inputs
-from .configs import select_prefill_config
+from .configs import PrefillConfig, select_prefill_config
 from .ring_attention import LOG2E
 from .ring_geometry import last_writer_slots, pad_unwritten, table_slot_mapping, varlen_positions
 from .ring_write import ring_write
@@ -40,11 +32,11 @@ def _ring_prefill_kernel(
     q_ptr,  # [T, HQ, D]
     k_ptr,  # [T, HKV, D]   the chunk's own keys
     v_ptr,  # [T, HKV, DV]
-    kc_ptr,  # [num_blocks, BS, HKV, D]   ring history (any strides)
+    kc_ptr,  # [num_blocks, BS, HKV, D]   ring history (16-element strides, 16-byte aligned base)
     vc_ptr,  # [num_blocks, BS, HKV, DV]
     block_table_ptr,  # [num_reqs, width]
     query_start_loc_ptr,  # [num_reqs + 1]
-    seq_lens_ptr,  # [num_reqs]
+    seq_lens_ptr,  # [num_reqs]   context_len + query_len
     # scalars
     qk_scale,
     window,
@@ -74,61 +66,70 @@ def _ring_prefill_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
+    TILE_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     FP32_IEEE: tl.constexpr,
 ):
-    i_r = tl.program_id(0).to(tl.int64)
-    i_qt = tl.program_id(1)
-    i_h = tl.program_id(2).to(tl.int64)
-    bos, q_len, committed = request_span(query_start_loc_ptr, seq_lens_ptr, i_r)
+    # query tiles on grid x (the long dimension: grid y and z stop at 65,535)
+    i_qt = tl.program_id(0)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_r = tl.program_id(2).to(tl.int64)
+    bos, q_len, context_len = request_span(query_start_loc_ptr, seq_lens_ptr, i_r)
     q0 = i_qt * BLOCK_Q
     if q0 >= q_len:
         return
 
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
-    m_d = o_d < D
-    m_dv = o_dv < DV
     o_i, o_head, m_row, q_pos, b_q = load_query_rows(
-        q_ptr, bos, q0, q_len, committed, i_h, stride_q_t, stride_q_h, o_d, m_d, G, BLOCK_Q, BLOCK_M, UPCAST
+        q_ptr, bos, q0, q_len, context_len, i_h, stride_q_t, stride_q_h, o_d, o_d < D, G, BLOCK_Q, BLOCK_M, UPCAST
     )
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     q_last = tl.minimum(q0 + BLOCK_Q, q_len) - 1
 
-    # source 1: history [max(0, P + q0 - W + 1), P) from the ring
+    # source 1: history [max(0, P + q0 - W + 1), P) from the ring (P = context_len)
+    hist_lo = tl.maximum(context_len + q0 - (window - 1), 0)
     m_i, l_i, acc = attend_ring_range(
-        m_i, l_i, acc, b_q, q_pos, m_row, tl.maximum(committed + q0 - (window - 1), 0), committed,
-        kc_ptr, vc_ptr, block_table_ptr + i_r * stride_bt_r, table_period, i_h * stride_kc_h, i_h * stride_vc_h,
-        stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, stride_bt_c, o_d, o_dv, m_d, m_dv, qk_scale, window,
-        BS, TILE_N, UPCAST, FP32_IEEE,
+        m_i, l_i, acc, b_q, q_pos, hist_lo, context_len, 0, ring_tile_count(hist_lo, context_len, TILE_N),
+        kc_ptr + i_h * stride_kc_h, vc_ptr + i_h * stride_vc_h, block_table_ptr + i_r * stride_bt_r, table_period,
+        stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, stride_bt_c, o_d, o_dv, qk_scale, window,
+        D, DV, BLOCK_D, BLOCK_DV, BS, TILE_N, UPCAST, FP32_IEEE,
     )  # fmt: skip
 
     # source 2: the chunk's own keys, from the lowest any row of this tile sees to the highest
-    new_lo = tl.maximum(committed + q0 - (window - 1), committed)
+    new_lo = tl.maximum(context_len + q0 - (window - 1), context_len)
     if CAUSAL:
-        new_hi = committed + q_last + 1
+        new_hi = context_len + q_last + 1
     else:
-        new_hi = tl.minimum(committed + q_len, committed + q_last + window)
-    for start in range(new_lo, new_hi, TILE_N):
-        k_pos = start + tl.arange(0, TILE_N)
-        m_k = k_pos < new_hi
-        b_k, b_v = load_row_tile(
-            k_ptr, v_ptr, bos + (k_pos - committed).to(tl.int64), m_k, i_h * stride_k_h, i_h * stride_v_h,
-            stride_k_t, stride_v_t, o_d, o_dv, m_d, m_dv, UPCAST,
-        )  # fmt: skip
-        b_s = tl.where(visible_mask(q_pos, k_pos, m_row, m_k, window, CAUSAL),
-                       scores(b_q, b_k, qk_scale, FP32_IEEE), float("-inf"))  # fmt: skip
-        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, b_s, b_v, FP32_IEEE)
+        new_hi = tl.minimum(context_len + q_len, context_len + q_last + window)
+    m_i, l_i, acc = attend_rows_range(
+        m_i, l_i, acc, b_q, q_pos, new_lo, new_hi, k_ptr + i_h * stride_k_h, v_ptr + i_h * stride_v_h,
+        bos + (new_lo - context_len).to(tl.int64), stride_k_t, stride_v_t, o_d, o_dv, qk_scale, window,
+        D, DV, BLOCK_D, BLOCK_DV, TILE_C, CAUSAL, UPCAST, FP32_IEEE,
+    )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     b_o = acc / l_safe[:, None]
     p_o = o_ptr + (bos + o_i.to(tl.int64))[:, None] * stride_o_t + o_head[:, None] * stride_o_h + o_dv[None, :]
-    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_row[:, None] & m_dv[None, :])
+    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_row[:, None] & (o_dv < DV)[None, :])
+
+
+# grid y and z stop at 65,535 (CUDA); grid x at 2^31 - 1
+MAX_GRID_YZ = 65_535
+
+
+def prefill_grid(batch: VarlenBatch, num_kv_heads: int, config: PrefillConfig) -> tuple[int, int, int]:
+    """(query tiles, KV heads, requests): the long dimension on grid x."""
+    if num_kv_heads > MAX_GRID_YZ or batch.num_reqs > MAX_GRID_YZ:
+        raise ValueError(
+            f"num_kv_heads={num_kv_heads} / num_reqs={batch.num_reqs} exceed the grid's {MAX_GRID_YZ}; split the batch"
+        )
+    return (triton.cdiv(batch.max_query_len, config.BLOCK_Q), num_kv_heads, batch.num_reqs)
 
 
 def ring_prefill_attention(
@@ -172,11 +173,10 @@ def ring_prefill_attention(
     num_tokens, _, head_dim = q.shape
     if batch.num_reqs and num_tokens:
         config = select_prefill_config(
-            group_size=inputs.group_size, head_dim=head_dim, head_dim_v=v_new.shape[-1],
+            group_size=inputs.group_size, head_dim=head_dim, head_dim_v=v_new.shape[-1], block_size=k_cache.shape[1],
             max_query_len=batch.max_query_len, interpreted=is_interpreter(),
         )  # fmt: skip
-        grid = (batch.num_reqs, triton.cdiv(batch.max_query_len, config.BLOCK_Q), k_new.shape[1])
-        _ring_prefill_kernel[grid](
+        _ring_prefill_kernel[prefill_grid(batch, k_new.shape[1], config)](
             out, q, k_new, v_new, k_cache, v_cache, batch.block_table, batch.query_start_loc, batch.seq_lens,
             inputs.scale * LOG2E, window, batch.period,
             out.stride(0), out.stride(1), q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
@@ -184,8 +184,8 @@ def ring_prefill_attention(
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             batch.block_table.stride(0), batch.block_table.stride(1),
             G=inputs.group_size, D=head_dim, DV=v_new.shape[-1], BS=k_cache.shape[1], BLOCK_Q=config.BLOCK_Q,
-            BLOCK_M=config.BLOCK_M, TILE_N=config.TILE_N, BLOCK_D=config.BLOCK_D, BLOCK_DV=config.BLOCK_DV,
-            CAUSAL=causal, UPCAST=is_interpreter(), FP32_IEEE=q.dtype == torch.float32,
+            BLOCK_M=config.BLOCK_M, TILE_N=config.TILE_N, TILE_C=config.TILE_C, BLOCK_D=config.BLOCK_D,
+            BLOCK_DV=config.BLOCK_DV, CAUSAL=causal, UPCAST=is_interpreter(), FP32_IEEE=q.dtype == torch.float32,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
     if write_ring and num_tokens:

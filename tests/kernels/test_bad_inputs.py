@@ -46,6 +46,7 @@ BAD_ATTENTION = [
      "seq_lens is on meta"),
     ("q-strided-headdim", lambda a: _replace(a, q=torch.zeros(10, 4, 32)[..., ::2]), "q has last-dim stride 2"),
     ("splits-0", lambda a: _replace(a, num_splits=0), "num_splits=0 must be an int >= 1"),
+    ("splits-17", lambda a: _replace(a, num_splits=17), "num_splits=17 exceeds MAX_SPLITS=16"),
     ("prefill-batch", lambda a: _replace(a, batch=_batch(a, mode=BatchMode.PREFILL_CHUNK)),
      "this launcher takes BatchMode.DRAFT_BLOCK"),
     ("batch-not-varlen", lambda a: _replace(a, batch=a["batch"].__dict__), "build one with VarlenBatch.build"),

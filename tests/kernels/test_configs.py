@@ -1,57 +1,82 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tile selection is a pure, total, deterministic function of shapes."""
+"""Tile selection is a pure, total, deterministic function of shapes; nothing batch-dependent is a constexpr."""
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import pytest
 from ringkv.kernels.configs import (
-    MAX_BLOCK_M,
+    ATTENTION_BLOCK_M,
     MAX_SPLITS,
+    AttentionConfig,
     WriteConfig,
+    ring_tile_keys,
     select_attention_config,
+    select_num_splits,
+    select_prefill_config,
     select_write_config,
 )
 
 
-def _select(**overrides):
-    shape = {"num_reqs": 1, "num_kv_heads": 8, "group_size": 4, "max_query_len": 8, "head_dim": 128,
-             "head_dim_v": 128, "window": 2048, "num_sms": 132}  # fmt: skip
-    return select_attention_config(**{**shape, **overrides})
-
-
 @pytest.mark.parametrize(
-    ("num_reqs", "group_size", "max_query_len", "head_dim", "window"),
-    list(itertools.product([1, 8, 64, 256], [1, 4, 5, 8], [1, 8, 16, 33], [59, 64, 128, 256], [1, 16, 2048])),
+    ("group_size", "head_dim", "block_size"),
+    list(itertools.product([1, 4, 5, 8, 64, 80], [59, 64, 128, 256], [4, 8, 16, 24, 32, 64, 128, 2304])),
 )
-def test_select_attention_config_is_total_and_consistent(num_reqs, group_size, max_query_len, head_dim, window):
-    config = _select(num_reqs=num_reqs, group_size=group_size, max_query_len=max_query_len, head_dim=head_dim,
-                     head_dim_v=head_dim, window=window)  # fmt: skip
-    assert config == _select(num_reqs=num_reqs, group_size=group_size, max_query_len=max_query_len,
-                             head_dim=head_dim, head_dim_v=head_dim, window=window)  # fmt: skip
-    assert config.queries_per_block * group_size <= config.BLOCK_M
-    assert config.queries_per_block * config.num_m_blocks >= max_query_len
-    assert max_query_len <= config.BLOCK_KB and head_dim <= config.BLOCK_D
-    assert min(config.BLOCK_M, config.BLOCK_KB, config.TILE_N, config.BLOCK_D) >= 16
-    assert 1 <= config.num_splits <= MAX_SPLITS
-    if group_size * max_query_len <= MAX_BLOCK_M:
-        assert config.num_m_blocks == 1, "all G x B rows of a KV head belong in one program"
+def test_select_attention_config_is_total_and_consistent(group_size, head_dim, block_size):
+    config = select_attention_config(group_size=group_size, head_dim=head_dim, head_dim_v=head_dim,
+                                     block_size=block_size)  # fmt: skip
+    assert config == select_attention_config(group_size=group_size, head_dim=head_dim, head_dim_v=head_dim,
+                                             block_size=block_size)  # fmt: skip
+    # the G x B rows of a KV head padded to the 64-row MMA tile; a query's G heads never straddle two programs
+    assert config.BLOCK_M >= ATTENTION_BLOCK_M and group_size <= config.BLOCK_M
+    assert config.queries_per_block >= 1 and config.queries_per_block * group_size <= config.BLOCK_M
+    assert head_dim <= config.BLOCK_D and min(config.TILE_N, config.BLOCK_D) >= 16
+    # one KV block (or a part of one) per loop step whenever the block size allows it
+    assert block_size % config.TILE_N == 0 or config.TILE_N == 16
+
+
+def test_attention_constexprs_depend_on_the_head_shape_only():
+    """One compiled kernel per (dtype, head shape, block size, window kind) for every batch: the config, i.e.
+    every constexpr besides dtype and causality, takes no batch-dependent input."""
+    params = set(inspect.signature(select_attention_config).parameters)
+    assert params == {"group_size", "head_dim", "head_dim_v", "block_size"}
+    assert set(AttentionConfig.__dataclass_fields__) == {
+        "BLOCK_M", "TILE_N", "BLOCK_D", "BLOCK_DV", "queries_per_block", "num_warps", "num_stages"}  # fmt: skip
+
+
+@pytest.mark.parametrize(("block_size", "tile"), [(4, 16), (8, 16), (16, 16), (24, 16), (32, 32), (64, 64),
+                                                  (128, 64), (48, 16), (2304, 64)])  # fmt: skip
+def test_ring_tile_keys(block_size, tile):
+    assert ring_tile_keys(block_size) == tile
+
+
+def _splits(**overrides):
+    shape = {"num_reqs": 1, "num_kv_heads": 8, "num_m_blocks": 1, "window": 2048, "tile_n": 16, "num_sms": 132}
+    return select_num_splits(**{**shape, **overrides})
 
 
 def test_split_kv_only_when_the_grid_is_small():
-    assert _select(num_reqs=1).num_splits > 1
-    assert _select(num_reqs=256).num_splits == 1
-    assert _select(window=16).num_splits == 1, "a window of one tile is not split"
-    assert _select(num_reqs=1, num_splits=3).num_splits == 3
+    assert _splits(num_reqs=1) == MAX_SPLITS
+    assert 1 < _splits(num_reqs=8) < MAX_SPLITS
+    assert _splits(num_reqs=256) == 1
+    assert _splits(window=16) == 1, "a window of one tile is not split"
+    assert all(1 <= _splits(num_reqs=n) <= MAX_SPLITS for n in range(1, 300))
 
 
 def test_select_config_ignores_positions():
-    """Only shapes go in: nothing in the signature depends on a request's position (CUDA-graph safe)."""
-    import inspect
+    """Only shapes go in: nothing in the signatures depends on a request's position (CUDA-graph safe)."""
+    for function in (select_attention_config, select_num_splits, select_prefill_config):
+        params = set(inspect.signature(function).parameters)
+        assert not params & {"seq_lens", "positions", "max_seq_len", "context_len", "committed"}
 
-    params = set(inspect.signature(select_attention_config).parameters)
-    assert not params & {"seq_lens", "positions", "max_seq_len", "committed"}
+
+def test_select_prefill_config_splits_wide_heads_over_two_warp_groups():
+    narrow = select_prefill_config(group_size=4, head_dim=128, head_dim_v=128, block_size=16)
+    wide = select_prefill_config(group_size=4, head_dim=256, head_dim_v=256, block_size=16)
+    assert (narrow.num_warps, narrow.TILE_C, narrow.TILE_N, narrow.BLOCK_M) == (4, 64, 16, 64)
+    assert (wide.num_warps, wide.TILE_C) == (8, 32)
 
 
 def test_select_write_config():
@@ -61,9 +86,9 @@ def test_select_write_config():
 
 
 def test_long_chunks_take_tall_tiles_only_under_the_interpreter():
-    from ringkv.kernels.configs import INTERPRETED_LONG_CHUNK, select_prefill_config
+    from ringkv.kernels.configs import INTERPRETED_LONG_CHUNK
 
-    shape = {"group_size": 2, "head_dim": 32, "head_dim_v": 32}
+    shape = {"group_size": 2, "head_dim": 32, "head_dim_v": 32, "block_size": 16}
     native = select_prefill_config(**shape, max_query_len=1 << 16)
     short = select_prefill_config(**shape, max_query_len=INTERPRETED_LONG_CHUNK - 1, interpreted=True)
     long = select_prefill_config(**shape, max_query_len=INTERPRETED_LONG_CHUNK, interpreted=True)

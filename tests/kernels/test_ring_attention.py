@@ -27,9 +27,17 @@ CASES = [
     pytest.param([(200, 33)], 64, 16, 8, 2, 64, 64, torch.float32, True, False, None, id="B33-two-row-blocks"),
     pytest.param([(100, 5), (3, 8)], 37, 8, 8, 2, 96, 96, torch.float16, True, False, None, id="fp16-W37"),
     pytest.param([(77, 8)], 37, 8, 4, 1, 64, 64, torch.bfloat16, False, True, None, id="bf16-W37-fullrows"),
+    # split partials are stored in the output dtype and merged in fp32: the tolerance rule holds for 16-bit dtypes
+    pytest.param([(300, 8), (2, 5)], 257, 16, 8, 2, 64, 64, torch.bfloat16, False, False, 3, id="bf16-W257-split3"),
+    pytest.param([(100, 7)], 100, 16, 4, 1, 48, 48, torch.float16, True, True, 2, id="fp16-W100-D48-split2"),
     pytest.param([(50, 4)], 20, 4, 2, 2, 100, 64, torch.float32, True, False, 3, id="D100-Dv64-split3"),
     pytest.param([(0, 8), (1, 8), (S130, 8), (12345, 3)], 2048, 16, 5, 1, 80, 80, torch.float32, False, False, 3,
                  id="W2048-P0-P1-wrap-gqa5-D80-split3"),
+    # block sizes other than 16: 2 tiles of 64 keys per block (one block id each), 3 tiles of 16 per block of 48,
+    # and tiles of 16 that straddle blocks of 24 (one block id per key)
+    pytest.param([(1000, 8), (100, 3)], 300, 128, 4, 1, 64, 64, torch.float32, False, False, 2, id="bs128-split2"),
+    pytest.param([(500, 8)], 200, 48, 8, 2, 32, 32, torch.float32, True, True, None, id="bs48-fullrows"),
+    pytest.param([(333, 5), (7, 8)], 101, 24, 4, 2, 32, 32, torch.float32, False, False, 3, id="bs24-split3"),
     # full-attention layers (vLLM's sliding_window None): every context key, vLLM-style full rows
     pytest.param([(300, 8), (0, 8), (45, 3)], UNBOUNDED_WINDOW, 16, 8, 2, 64, 64, torch.float32, False, True, None,
                  id="full-attention-noncausal"),

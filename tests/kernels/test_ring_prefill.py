@@ -4,6 +4,8 @@ through chunks that wrap the ring several times."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, ring_prefill_attention
@@ -22,6 +24,7 @@ CASES = [
     pytest.param([(300, 200), (17, 3)], 64, 16, 4, 1, 64, torch.float16, True, False, id="fp16"),
     pytest.param([(64, 100)], 33, 8, 4, 1, 32, torch.bfloat16, False, True, id="bf16-fullrows"),
     pytest.param([(90, 70), (0, 33)], UNBOUNDED_WINDOW, 16, 4, 2, 32, torch.float32, True, True, id="full-attention"),
+    pytest.param([(700, 90), (40, 7)], 300, 128, 4, 1, 32, torch.float32, True, False, id="bs128-two-tiles-a-block"),
     # >= INTERPRETED_LONG_CHUNK queries: the interpreter's tall tiles (several of them, the last one partial)
     pytest.param([(100, 2100), (5, 3)], 37, 8, 4, 2, 16, torch.float32, True, False, id="long-chunk-tall-tiles"),
 ]  # fmt: skip
@@ -109,3 +112,29 @@ def test_vllm_slot_mapping_drops_dead_rows_and_duplicates(device):
     torch.testing.assert_close(stored, case.k_new[:100][live], atol=0, rtol=0)
     written = (~torch.isnan(case.k_cache[..., 0, 0])).sum()
     assert int(written) == 15
+
+
+def test_query_tiles_go_on_grid_x(monkeypatch, device):
+    """Grid y and z stop at 65,535: a chunk of 2^21 queries (131,072 tiles of 16 queries at G 4) must put its
+    query tiles on x. Checked on the grid the launcher computes, with the launch replaced by a recorder."""
+    module = importlib.import_module("ringkv.kernels.ring_prefill")
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(module, "_ring_prefill_kernel", Recorder())
+    monkeypatch.setattr(module, "is_interpreter", lambda: False)  # the native tiles, not the interpreter's tall ones
+    case = make_ring_case([(40, 8), (3, 5)], window=37, block_size=8, num_q_heads=8, num_kv_heads=2, head_dim=16,
+                          lookahead=1, mode=BatchMode.PREFILL_CHUNK).to(device)  # fmt: skip
+    batch = VarlenBatch(**{**case.batch().__dict__, "max_query_len": 1 << 21, "max_seq_len": (1 << 21) + 40})
+    ring_prefill_attention(**{**case.kernel_args(), "batch": batch}, write_ring=False)
+    config = module.select_prefill_config(group_size=4, head_dim=16, head_dim_v=16, block_size=8)
+    assert launches == [((1 << 21) // config.BLOCK_Q, 2, 2)] and launches[0][0] > module.MAX_GRID_YZ
+    many = VarlenBatch(**{**batch.__dict__, "query_start_loc": torch.zeros(65_537, dtype=torch.int32),
+                          "seq_lens": torch.ones(65_536, dtype=torch.int32),
+                          "block_table": torch.zeros(65_536, 1, dtype=torch.int32), "table_period": None})  # fmt: skip
+    with pytest.raises(ValueError, match="num_reqs=65536 exceed the grid's 65535"):
+        module.prefill_grid(many, 2, config)
