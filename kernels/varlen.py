@@ -125,6 +125,7 @@ class VarlenBatch:
 
     @property
     def num_reqs(self) -> int:
+        """Requests in the batch (rows of ``seq_lens``)."""
         return self.seq_lens.shape[0]
 
     @property
@@ -133,9 +134,5 @@ class VarlenBatch:
         return self.table_period if self.table_period is not None else max(self.block_table.shape[1], 1)
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        """The batch's tensors by name (device checks)."""
         return {"query_start_loc": self.query_start_loc, "seq_lens": self.seq_lens, "block_table": self.block_table}
-
-    def to(self, device: torch.device | str) -> VarlenBatch:
-        """The same batch with its tensors on ``device``."""
-        moved = {name: t.to(device) for name, t in self.tensors().items()}
-        return VarlenBatch(**{**self.__dict__, **moved})

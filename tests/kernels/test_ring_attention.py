@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ringkv.kernels import ring_attention
+from ringkv.kernels import (
+    BatchMode,
+    RingPlan,
+    VarlenBatch,
+    ring_attention,
+    ring_attention_reference,
+    ring_prefill_attention,
+    ring_write,
+)
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, first_visible_position
 
 from tests.testing import NAN, assert_attention_close, make_ring_case, reference_pair, stable_seed
@@ -142,3 +150,30 @@ def test_ring_attention_reads_vllm_layer_views(order, device):
     args["v_cache"] = storage[..., d:].transpose(1, 2)
     out = ring_attention(**args)
     assert_attention_close(out.cpu(), ref_hi, ref_lo, name=f"ring_attention[{order}]", case=case)
+
+
+@pytest.mark.parametrize("kind", ["draft", "prefill"])
+def test_ring_reads_beyond_2_31_elements(kind, device):
+    """A ring whose blocks sit past 2^31 elements of the pool is read where it should be (int64 offsets)."""
+    window, bs, head_dim, context, queries = 40, 16, 64, 50, 8
+    plan = RingPlan(window, bs, lookahead=queries)
+    num_blocks = 2**31 // (bs * head_dim) + 64  # > 2^31 elements (4 GiB of fp16) of K
+    # untouched pages of torch.empty are never materialised, so this costs almost no memory
+    k_cache, v_cache = (torch.empty(num_blocks, bs, 1, head_dim, dtype=torch.float16, device=device) for _ in range(2))
+    ring = torch.arange(num_blocks - plan.num_blocks, num_blocks, dtype=torch.int32, device=device)
+    generator = torch.Generator().manual_seed(7)
+    positions = torch.arange(context - (window - 1), context)
+    rows = [torch.randn(len(positions), 1, head_dim, generator=generator).half().to(device) for _ in range(2)]
+    ring_write(*rows, k_cache, v_cache, plan.slot_mapping(positions.to(device), ring, committed_end=context))
+    q = torch.randn(queries, 4, head_dim, generator=generator).half().to(device)
+    k_new, v_new = (torch.randn(queries, 1, head_dim, generator=generator).half().to(device) for _ in range(2))
+    mode = BatchMode.DRAFT_BLOCK if kind == "draft" else BatchMode.PREFILL_CHUNK
+    batch = VarlenBatch.build(torch.tensor([0, queries], dtype=torch.int32, device=device),
+                              torch.tensor([context + queries], dtype=torch.int32, device=device), ring[None],
+                              mode=mode, table_period=plan.num_blocks)  # fmt: skip
+    args = {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache, "batch": batch,
+            "window": window, "causal": True}  # fmt: skip
+    out = ring_attention(**args) if kind == "draft" else ring_prefill_attention(**args, write_ring=False)
+    ref_hi = ring_attention_reference(**args, compute_dtype=torch.float64)
+    ref_lo = ring_attention_reference(**args, compute_dtype=torch.float16)
+    assert_attention_close(out.cpu(), ref_hi.cpu(), ref_lo.cpu(), name=f"{kind} beyond 2^31 elements")
