@@ -98,13 +98,16 @@ class WriteConfig:
 
 # elements of K (and of V) one ring_write program moves
 WRITE_TILE_ELEMENTS = 8192
+# the interpreter costs per program: eight times the rows per program there
+INTERPRETED_WRITE_TILE_ELEMENTS = 65536
 
 
-def select_write_config(*, num_kv_heads: int, head_dim: int) -> WriteConfig:
+def select_write_config(*, num_kv_heads: int, head_dim: int, interpreted: bool = False) -> WriteConfig:
     """All heads of a row in one program when they fit, and as many rows as fill the tile."""
+    elements = INTERPRETED_WRITE_TILE_ELEMENTS if interpreted else WRITE_TILE_ELEMENTS
     block_d = next_pow2(head_dim)
-    block_h = max(1, min(next_pow2(num_kv_heads), WRITE_TILE_ELEMENTS // block_d))
-    block_t = max(1, WRITE_TILE_ELEMENTS // (block_h * block_d))
+    block_h = max(1, min(next_pow2(num_kv_heads), elements // block_d))
+    block_t = max(1, elements // (block_h * block_d))
     return WriteConfig(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)
 
 
@@ -125,7 +128,8 @@ class PrefillConfig:
 PREFILL_BLOCK_M = 64
 # Triton's CPU interpreter costs per program, not per FLOP: long chunks take far taller tiles there
 INTERPRETED_LONG_CHUNK = 2048
-INTERPRETED_PREFILL_BLOCK_M = 1024
+INTERPRETED_PREFILL_BLOCK_M = 512
+INTERPRETED_PREFILL_TILE_N = 128
 
 
 def select_prefill_config(
@@ -133,16 +137,15 @@ def select_prefill_config(
 ) -> PrefillConfig:
     """All G heads of a query in one program; as many queries as fill ``PREFILL_BLOCK_M`` rows (under the
     interpreter, ``INTERPRETED_PREFILL_BLOCK_M`` for chunks of ``INTERPRETED_LONG_CHUNK`` queries or more)."""
-    rows = PREFILL_BLOCK_M
-    if interpreted and max_query_len >= INTERPRETED_LONG_CHUNK:
-        rows = INTERPRETED_PREFILL_BLOCK_M
-    block_q = max(1, rows // group_size)
+    tall = interpreted and max_query_len >= INTERPRETED_LONG_CHUNK
+    block_q = max(1, (INTERPRETED_PREFILL_BLOCK_M if tall else PREFILL_BLOCK_M) // group_size)
     block_d = max(MIN_DOT_DIM, next_pow2(head_dim))
     block_dv = max(MIN_DOT_DIM, next_pow2(head_dim_v))
+    tile_n = 32 if max(block_d, block_dv) > 128 else 64
     return PrefillConfig(
         BLOCK_Q=block_q,
         BLOCK_M=max(MIN_DOT_DIM, next_pow2(block_q * group_size)),
-        TILE_N=32 if max(block_d, block_dv) > 128 else 64,
+        TILE_N=INTERPRETED_PREFILL_TILE_N if tall else tile_n,
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,
         num_warps=4,

@@ -234,3 +234,51 @@ def test_forward_and_kv_update_with_common_attention_metadata(causal, device):
     got = output[:tokens].view(tokens, NUM_Q_HEADS, dim).cpu()
     assert_attention_close(got, expected, expected_lo, name="RingKVImpl.forward")
     assert torch.isnan(output[tokens:]).all(), "padding rows were written"
+
+
+def _one_draft_block(device, causal: bool = False):
+    """One request at committed P = 40 (W 64, bs 16), its 8-row draft block, and a ring-row block table."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    block, committed, bs, heads, dim = 8, 40, 16, 2, 32
+    table = torch.tensor([[1, 2, 3, 4, 5]], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, block], dtype=torch.int32)
+    positions = torch.arange(committed, committed + block)
+    common = CommonAttentionMetadata(
+        query_start_loc=query_start_loc.to(device), query_start_loc_cpu=query_start_loc,
+        seq_lens=torch.tensor([committed + block], dtype=torch.int32, device=device), num_reqs=1,
+        num_actual_tokens=block, max_query_len=block, max_seq_len=committed + block,
+        block_table_tensor=table.to(device), slot_mapping=(table[0, positions // bs] * bs + positions % bs).to(device),
+        causal=causal,
+    )  # fmt: skip
+    kv_cache = torch.randn(6, heads, bs, 2 * dim).to(device)
+    q, k, v = torch.randn(block, NUM_Q_HEADS * dim), torch.randn(block, heads, dim), torch.randn(block, heads, dim)
+    impl = RingKVBackend.get_impl_cls()(NUM_Q_HEADS, dim, dim**-0.5, heads, sliding_window=64)
+    return common, kv_cache, impl, (q.to(device), k.to(device), v.to(device))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("route", ["build_for_drafting", "is_draft spec"])
+def test_a_drafters_block_rows_are_never_written_to_the_ring(route, device):
+    """vLLM 0.32 marks no spec is_draft: the drafter builds through build_for_drafting (V1); 0.34 marks
+    is_draft and builds with build() (V2). Either way the ring is unchanged by the draft block's forward."""
+    common, kv_cache, impl, (q, k, v) = _one_draft_block(device)
+    if route == "build_for_drafting":
+        metadata = RingKVBackend.get_builder_cls()(None, ["drafter"], None, device).build_for_drafting(common, 0)
+    else:
+        spec = SimpleNamespace(is_draft=True, sliding_window=64)
+        metadata = RingKVBackend.get_builder_cls()(spec, ["drafter"], None, device).build(0, common)
+    before = kv_cache.clone()
+    impl.forward(None, q, k, v, kv_cache, metadata, torch.empty(len(q), q.shape[1], device=device))
+    assert metadata.live_slots is None
+    assert torch.equal(kv_cache, before), "a draft block's K/V were stored in the ring"
+
+
+@pytest.mark.interpreter
+def test_a_target_layers_new_rows_are_stored_after_attending(device):
+    common, kv_cache, impl, (q, k, v) = _one_draft_block(device, causal=True)
+    spec = SimpleNamespace(sliding_window=64)
+    metadata = RingKVBackend.get_builder_cls()(spec, ["target"], None, device).build(0, common)
+    impl.forward(None, q, k, v, kv_cache, metadata, torch.empty(len(q), q.shape[1], device=device))
+    # positions 40..47 -> block 3 (column 2), offsets 8..15; K is the first head_size features
+    assert torch.equal(kv_cache[3, :, 8:16, :32].transpose(0, 1).cpu(), k.cpu())
