@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_inputs import INDEX_DTYPES, SUPPORTED_DTYPES, check_cache_pair, check_same_device
 from ._triton_utils import is_interpreter
+from .attention_inputs import INDEX_DTYPES, SUPPORTED_DTYPES, check_cache_pair, check_same_device
 from .configs import select_write_config
 
 

