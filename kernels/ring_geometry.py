@@ -226,6 +226,15 @@ def varlen_positions(
     return request, torch.where(inside, positions, torch.full_like(positions, -1)), ends
 
 
+def live_write_slots(
+    slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, window: int
+) -> torch.Tensor:
+    """Where a varlen batch's rows go after attending: vLLM's ``slot_mapping`` with the rows ``written`` rejects
+    (dead positions) and all but the last writer of each slot PAD. No host sync."""
+    _, positions, ends = varlen_positions(query_start_loc, seq_lens, num_tokens)
+    return last_writer_slots(pad_unwritten(slot_mapping[:num_tokens], positions, ends, window))
+
+
 def last_writer_slots(slot_mapping: torch.Tensor) -> torch.Tensor:
     """PAD every row whose slot a later row of the same batch also writes; keep the last writer.
 

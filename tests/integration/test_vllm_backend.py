@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -270,7 +271,7 @@ def test_a_drafters_block_rows_are_never_written_to_the_ring(route, device):
         metadata = RingKVBackend.get_builder_cls()(spec, ["drafter"], None, device).build(0, common)
     before = kv_cache.clone()
     impl.forward(None, q, k, v, kv_cache, metadata, torch.empty(len(q), q.shape[1], device=device))
-    assert metadata.live_slots is None
+    assert not metadata.persist_new_rows
     assert torch.equal(kv_cache, before), "a draft block's K/V were stored in the ring"
 
 
@@ -297,3 +298,45 @@ def test_a_ringkv_selection_survives_pickling_into_a_fresh_process():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("CUSTOM")
+
+
+@pytest.mark.interpreter
+def test_an_in_place_rewrite_of_the_slot_buffer_is_seen_by_the_next_update(device):
+    """vLLM fills its slot buffers in place with kernels that do not bump the tensor version: each
+    do_kv_cache_update must read this step's slots, never a cached form of the last step's."""
+    _, kv_cache, impl, (_, k, v) = _one_draft_block(device)
+    slots = torch.arange(16, 24, device=device)  # block 1, offsets 0..7
+    impl.do_kv_cache_update(None, k, v, kv_cache, slots)
+    slots.data.copy_(torch.arange(40, 48))  # block 2, offsets 8..15, same tensor, same version
+    impl.do_kv_cache_update(None, 2 * k, 2 * v, kv_cache, slots)
+    assert torch.equal(kv_cache[2, :, 8:16, :32].transpose(0, 1).cpu(), 2 * k.cpu())
+
+
+@pytest.mark.interpreter
+def test_two_builds_before_their_forwards_do_not_share_state(device):
+    """Micro-batching builds every batch's metadata before the forwards run: a later build must not change
+    what an earlier build's forward stores."""
+    first, kv_cache, impl, (q, k, v) = _one_draft_block(device, causal=True)
+    second = replace(first, slot_mapping=first.slot_mapping + 16)  # the same rows one block further on
+    builder = RingKVBackend.get_builder_cls()(SimpleNamespace(sliding_window=64), ["target"], None, device)
+    metadata_first, _ = builder.build(0, first), builder.build(0, second)
+    impl.forward(None, q, k, v, kv_cache, metadata_first, torch.empty(len(q), q.shape[1], device=device))
+    assert torch.equal(kv_cache[3, :, 8:16, :32].transpose(0, 1).cpu(), k.cpu())
+
+
+def test_a_host_sync_during_graph_capture_is_refused(monkeypatch):
+    from ringkv.integration.vllm.host_sync import HostSyncDuringCapture
+    from ringkv.integration.vllm.metadata import resolve_causal
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert resolve_causal(torch.tensor([True, True])) is True  # a host tensor never syncs
+    device_flags = SimpleNamespace(device=torch.device("cuda"), flatten=lambda: pytest.fail("read during capture"))
+    with pytest.raises(HostSyncDuringCapture, match="per-group causal flag as a bool"):
+        resolve_causal(device_flags)
+
+
+def test_cross_layer_kv_sharing_is_refused():
+    with pytest.raises(NotImplementedError, match="kv_sharing_target_layer_name='model.layers.0"):
+        RingKVBackend.get_impl_cls()(8, 32, 0.1, 2, sliding_window=64,
+                                     kv_sharing_target_layer_name="model.layers.0.self_attn.attn")  # fmt: skip
