@@ -337,6 +337,6 @@ def test_a_host_sync_during_graph_capture_is_refused(monkeypatch):
 
 
 def test_cross_layer_kv_sharing_is_refused():
-    with pytest.raises(NotImplementedError, match="kv_sharing_target_layer_name='model.layers.0"):
+    with pytest.raises(NotImplementedError, match=r"kv_sharing_target_layer_name='model\.layers\.0"):
         RingKVBackend.get_impl_cls()(8, 32, 0.1, 2, sliding_window=64,
                                      kv_sharing_target_layer_name="model.layers.0.self_attn.attn")  # fmt: skip
