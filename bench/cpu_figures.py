@@ -26,13 +26,13 @@ KINDS = ("stock", "ring", "full")
 
 
 def deployment_for(kind: str, **fields):
-    from ringkv.integration.vllm.admission import Deployment
+    from ringkv.integration.simulation.admission import Deployment
 
     return Deployment(stock_drafter="full" if kind == "full" else "sliding", **fields), kind == "ring"
 
 
 def kv_bytes_rows(contexts: list[int], decode_steps: int) -> list[dict]:
-    from ringkv.integration.vllm.admission import run_request
+    from ringkv.integration.simulation.admission import run_request
 
     rows = []
     for context in contexts:
@@ -50,21 +50,10 @@ def kv_bytes_rows(contexts: list[int], decode_steps: int) -> list[dict]:
 
 
 def largest_concurrency(kind: str, pool: int, context: int) -> int:
-    """Doubling then bisection over ``max_concurrent``'s question (all requests run to completion)."""
-    from ringkv.integration.vllm.admission import run_requests
+    from ringkv.integration.simulation.admission import max_concurrent
 
     deployment, ring = deployment_for(kind, pool_blocks=pool, max_model_len=max(context + 64, 4096))
-
-    def fits(count: int) -> bool:
-        return count == 0 or run_requests(deployment, ring, [context] * count, decode_steps=2).failure is None
-
-    low, high = 0, 1
-    while fits(high):
-        low, high = high, high * 2
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
+    return max_concurrent(deployment, ring, context)
 
 
 def concurrency_rows(pool: int, contexts: list[int]) -> list[dict]:
@@ -74,7 +63,7 @@ def concurrency_rows(pool: int, contexts: list[int]) -> list[dict]:
 
 
 def scheduler_rows(counts: list[int], context: int, steps: int, repeats: int) -> list[dict]:
-    from ringkv.integration.vllm.scheduler_run import build_vllm_config, scheduler_step_times
+    from ringkv.integration.simulation.scheduler_run import build_vllm_config, scheduler_step_times
 
     rows = []
     for count in counts:

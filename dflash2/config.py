@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ringkv.kernels.ring_geometry import RingPlan
-
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
@@ -65,11 +63,6 @@ class DFlashConfig:
     def is_dflash2(self) -> bool:
         """DFlash2 adds the block-local grouped convolution around attention and MLP."""
         return self.conv_kernel_size is not None
-
-    def ring_plans(self, kv_block_size: int) -> dict[int, RingPlan]:
-        """One ring per distinct window (lookahead = the draft block size); full layers get none."""
-        windows = sorted({layer.window for layer in self.layers if layer.window is not None})
-        return {window: RingPlan(window, kv_block_size, self.block_size) for window in windows}
 
     def to_dict(self) -> dict[str, Any]:
         """The fields a ``config.json`` needs to reproduce this config."""

@@ -81,8 +81,8 @@ def admission(
     from tqdm import tqdm
 
     from .plots import plot_drafter_blocks
-    from .vllm.admission import Deployment
-    from .vllm.scheduler_run import (
+    from .simulation.admission import Deployment
+    from .simulation.scheduler_run import (
         build_vllm_config,
         scheduler_admits,
         scheduler_largest_admissible,

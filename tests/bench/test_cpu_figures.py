@@ -34,8 +34,8 @@ def test_cpu_figures_quick(tmp_path):
 
 def test_bench_scheduler_step(benchmark):
     """One decode step of the real Scheduler with four running ring requests."""
-    from ringkv.integration.vllm.admission import Deployment
-    from ringkv.integration.vllm.scheduler_run import build_vllm_config, scheduler_step_times
+    from ringkv.integration.simulation.admission import Deployment
+    from ringkv.integration.simulation.scheduler_run import build_vllm_config, scheduler_step_times
 
     deployment = Deployment(pool_blocks=4 * 1900 + 100)
     config = build_vllm_config(deployment)

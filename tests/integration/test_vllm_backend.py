@@ -4,6 +4,7 @@ and forward / do_kv_cache_update driven with vLLM's CommonAttentionMetadata on a
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -14,8 +15,8 @@ import torch
 
 pytest.importorskip("vllm")
 
+from ringkv.integration.simulation.admission import Deployment, drafter_manager, make_request
 from ringkv.integration.vllm import register
-from ringkv.integration.vllm.admission import Deployment, drafter_manager, make_request
 from ringkv.integration.vllm.backend import RingKVBackend
 from ringkv.integration.vllm.kv_cache import RingSWASpec, to_ring_spec
 from ringkv.integration.vllm.planning import RingConfigError, check_ring_config
@@ -155,10 +156,12 @@ def test_vllm_attention_backend_env_selects_the_drafter_backend(monkeypatch):
     from ringkv.integration.vllm import selection
 
     seen = []
-    monkeypatch.setattr(selection.EngineArgs, "create_speculative_config", lambda self, *a, **k: seen.append(self))
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setattr(EngineArgs, "create_speculative_config", lambda self, *a, **k: seen.append(self))
     selection.honour_attention_backend_env("RINGKV")
     args = SimpleNamespace(speculative_config={"method": "dflash", "num_speculative_tokens": 7}, spec_method=None)
-    selection.EngineArgs.create_speculative_config(args)
+    EngineArgs.create_speculative_config(args)
     assert seen == [args] and args.speculative_config["attention_backend"] == "RINGKV"
     explicit = SimpleNamespace(speculative_config={"method": "dflash", "attention_backend": "FLASH_ATTN"})
     selection.apply_drafter_backend(explicit)
@@ -340,3 +343,26 @@ def test_cross_layer_kv_sharing_is_refused():
     with pytest.raises(NotImplementedError, match=r"kv_sharing_target_layer_name='model\.layers\.0"):
         RingKVBackend.get_impl_cls()(8, 32, 0.1, 2, sliding_window=64,
                                      kv_sharing_target_layer_name="model.layers.0.self_attn.attn")  # fmt: skip
+
+
+# what the plugin must not load: the scheduler, the engine (core, client, args), the simulation driving them,
+# the engine-level probe, vLLM's CPU attention (vLLM's own KV-cache modules do load the type-only
+# vllm.v1.engine package and vllm.v1.core.sched.output)
+NOT_FOR_SERVING = (
+    "vllm.v1.core.sched.scheduler", "vllm.v1.engine.core", "vllm.v1.engine.llm_engine", "vllm.engine.arg_utils",
+    "vllm.v1.attention.backends.cpu_attn", "ringkv.integration.simulation", "ringkv.integration.e2e",
+)  # fmt: skip
+
+
+def test_the_plugin_imports_no_scheduler_or_engine_module():
+    """register() runs in every vLLM process: it loads only what serving needs."""
+    code = (
+        "import sys\n"
+        "from ringkv.integration.vllm import register\n"
+        "register()\n"
+        f"print(sorted(m for m in sys.modules if m.startswith({NOT_FOR_SERVING!r})))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "RINGKV_"))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
