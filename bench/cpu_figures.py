@@ -6,20 +6,16 @@
 2. the most concurrent requests that run to completion in a fixed pool at 64K / 128K / 256K;
 3. ``schedule()`` + ``update_from_output()`` time per decode step with 1 / 16 / 64 running 256K requests.
 
-``python bench/cpu_figures.py`` runs the full set (a few minutes); ``--quick`` the CI-sized one.
-Rows go to ``--out``/cpu_figures.jsonl, plots to kv_bytes.png and concurrency.png.
+``ringkv bench cpu-figures`` runs the full set (a few minutes); ``--quick`` the CI-sized one. Rows go to
+``cpu_figures.jsonl`` (``cpu_figures_quick.jsonl``), plots to kv_bytes.png and concurrency.png.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import write_jsonl
+from .records import write_jsonl
 
 DRAFTER_LAYERS = 5
 KINDS = ("stock", "ring", "full")
@@ -121,12 +117,9 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     return paths
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="CI-sized run")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    options = parser.parse_args()
-    if options.quick:
+def run(quick: bool, out: Path) -> tuple[Path, list[dict], list[Path]]:
+    """Measure, write the JSONL rows and the plots; returns (rows file, rows, plots)."""
+    if quick:
         rows = kv_bytes_rows([4096, 65_536], decode_steps=4)
         rows += concurrency_rows(pool=4096, contexts=[65_536])
         rows += scheduler_rows([1, 4], context=16_384, steps=10, repeats=2)
@@ -134,14 +127,5 @@ def main() -> int:
         rows = kv_bytes_rows([4096, 16_384, 65_536, 131_072, 262_144, 524_288, 1_048_576], decode_steps=16)
         rows += concurrency_rows(pool=16_384, contexts=[65_536, 131_072, 262_144])
         rows += scheduler_rows([1, 16, 64], context=262_144 - 1024, steps=20, repeats=5)
-    name = "cpu_figures_quick.jsonl" if options.quick else "cpu_figures.jsonl"
-    print("rows:", write_jsonl(options.out / name, rows))
-    for row in rows:
-        print({k: v for k, v in row.items() if k != "env"})
-    for path in plot(rows, options.out):
-        print("plot:", path)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    path = write_jsonl(out / ("cpu_figures_quick.jsonl" if quick else "cpu_figures.jsonl"), rows)
+    return path, rows, plot(rows, out)

@@ -173,4 +173,12 @@ def load_config(path: str | Path) -> DFlashConfig:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    return parse_config(json.loads(path.read_text()), source=str(path))
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise DFlashConfigError(
+            f"{path}: not a readable JSON config ({error}); give the drafter's config.json"
+        ) from error
+    if not isinstance(raw, dict):
+        raise DFlashConfigError(f"{path}: a JSON {type(raw).__name__}, not an object; give the drafter's config.json")
+    return parse_config(raw, source=str(path))

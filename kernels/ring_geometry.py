@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 PAD_SLOT = -1
+# positions are int32 inside the kernels: the largest absolute position a request may reach (exclusive)
+MAX_POSITION = 1 << 31
 # the window of a full-attention layer served by the ring kernels: one no sequence reaches
 UNBOUNDED_WINDOW = 1 << 40
 
