@@ -46,6 +46,12 @@ def require(condition: bool, message: str) -> None:
         fail(message)
 
 
+def require_at_least(bounds: list[tuple[str, int, int]]) -> None:
+    """Each (flag, value, lowest allowed value)."""
+    for flag, value, low in bounds:
+        require(value >= low, f"{flag} {value} must be >= {low}")
+
+
 def require_writable(path: Path, flag: str) -> None:
     """``path``'s folder exists (or can be made) and ``path`` is not a folder."""
     require(not path.is_dir(), f"{flag} {path} is a folder; give a file name")
@@ -109,14 +115,13 @@ def admission(
     plot: Path = typer.Option(Path("admission.png"), help="PNG of drafter blocks vs context"),
 ) -> None:
     """vLLM #55800 under vLLM's real Scheduler and KVCacheManager (CPU): stock drafter vs ringkv's ring."""
-    for flag, value, low in (("--pool-blocks", pool_blocks, 2), ("--target-groups", target_groups, 1),
-                             ("--target-block-size", target_block_size, 1), ("--window", window, 1),
-                             ("--drafter-block-size", drafter_block_size, 1),
-                             ("--num-speculative-tokens", num_speculative_tokens, 1),
-                             ("--max-model-len", max_model_len, 1),
-                             ("--max-num-batched-tokens", max_num_batched_tokens, 1),
-                             ("--decode-steps", decode_steps, 0)):  # fmt: skip
-        require(value >= low, f"{flag} {value} must be >= {low}")
+    require_at_least([
+        ("--pool-blocks", pool_blocks, 2), ("--target-groups", target_groups, 1),
+        ("--target-block-size", target_block_size, 1), ("--window", window, 1),
+        ("--drafter-block-size", drafter_block_size, 1), ("--num-speculative-tokens", num_speculative_tokens, 1),
+        ("--max-model-len", max_model_len, 1), ("--max-num-batched-tokens", max_num_batched_tokens, 1),
+        ("--decode-steps", decode_steps, 0),
+    ])  # fmt: skip
     require(target_block_size % drafter_block_size == 0,
             f"--target-block-size {target_block_size} must be a multiple of --drafter-block-size "
             f"{drafter_block_size} (vLLM's scheduler block is the largest group block)")  # fmt: skip
@@ -197,8 +202,7 @@ def smoke(
         context + steps * block_size < MAX_POSITION,
         f"--context {context} + {steps} steps of {block_size} passes the largest position {MAX_POSITION - 1}",
     )
-    require(steps >= 1, f"--steps {steps} must be >= 1")
-    require(chunk >= 1, f"--chunk {chunk} must be >= 1")
+    require_at_least([("--steps", steps, 1), ("--chunk", chunk, 1)])
     device = _kernel_device()
     from rich.progress import Progress
     from ringkv.dflash2.harness.smoke import run_smoke
@@ -241,8 +245,7 @@ def plan(
         fail(str(error))
     speculative = config.block_size - 1 if num_speculative_tokens is None else num_speculative_tokens
     require(1 <= speculative < 64, f"--num-speculative-tokens {speculative} must be in 1..63")
-    require(kv_block_size >= 1, f"--kv-block-size {kv_block_size} must be >= 1")
-    require(max_model_len >= 1, f"--max-model-len {max_model_len} must be >= 1")
+    require_at_least([("--kv-block-size", kv_block_size, 1), ("--max-model-len", max_model_len, 1)])
     require(dtype_bytes in (1, 2, 4), f"--dtype-bytes {dtype_bytes} must be 1, 2 or 4")
     token_bytes = 2 * config.num_kv_heads * config.head_dim * dtype_bytes
     rows = []
@@ -299,10 +302,10 @@ def e2e(
     from .e2e.session import E2EOptions, run_e2e
     from .plots import plot_drafter_blocks
 
-    for flag, value, low in (("--window", window, 8), ("--decode-tokens", decode_tokens, 1),
-                             ("--target-window", target_window, 1), ("--block-size", block_size, 32),
-                             ("--chunk", chunk, 64)):  # fmt: skip
-        require(value >= low, f"{flag} {value} must be >= {low}")
+    require_at_least([
+        ("--window", window, 8), ("--decode-tokens", decode_tokens, 1), ("--target-window", target_window, 1),
+        ("--block-size", block_size, 32), ("--chunk", chunk, 64),
+    ])  # fmt: skip
     require(context >= window, f"--context {context} is below --window {window}: the ring would never wrap")
     require(
         context + decode_tokens < MAX_POSITION, f"--context {context} passes the largest position {MAX_POSITION - 1}"
