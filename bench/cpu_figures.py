@@ -6,33 +6,29 @@
 2. the most concurrent requests that run to completion in a fixed pool at 64K / 128K / 256K;
 3. ``schedule()`` + ``update_from_output()`` time per decode step with 1 / 16 / 64 running 256K requests.
 
-``python bench/cpu_figures.py`` runs the full set (a few minutes); ``--quick`` the CI-sized one.
-Rows go to ``--out``/cpu_figures.jsonl, plots to kv_bytes.png and concurrency.png.
+``ringkv bench cpu-figures`` runs the full set (a few minutes); ``--quick`` the CI-sized one. Rows go to
+``cpu_figures.jsonl`` (``cpu_figures_quick.jsonl``), plots to kv_bytes.png and concurrency.png.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import write_jsonl
+from .records import write_jsonl
 
 DRAFTER_LAYERS = 5
 KINDS = ("stock", "ring", "full")
 
 
 def deployment_for(kind: str, **fields):
-    from ringkv.integration.vllm.admission import Deployment
+    from ringkv.integration.simulation.admission import Deployment
 
     return Deployment(stock_drafter="full" if kind == "full" else "sliding", **fields), kind == "ring"
 
 
 def kv_bytes_rows(contexts: list[int], decode_steps: int) -> list[dict]:
-    from ringkv.integration.vllm.admission import run_request
+    from ringkv.integration.simulation.admission import run_request
 
     rows = []
     for context in contexts:
@@ -50,21 +46,10 @@ def kv_bytes_rows(contexts: list[int], decode_steps: int) -> list[dict]:
 
 
 def largest_concurrency(kind: str, pool: int, context: int) -> int:
-    """Doubling then bisection over ``max_concurrent``'s question (all requests run to completion)."""
-    from ringkv.integration.vllm.admission import run_requests
+    from ringkv.integration.simulation.admission import max_concurrent
 
     deployment, ring = deployment_for(kind, pool_blocks=pool, max_model_len=max(context + 64, 4096))
-
-    def fits(count: int) -> bool:
-        return count == 0 or run_requests(deployment, ring, [context] * count, decode_steps=2).failure is None
-
-    low, high = 0, 1
-    while fits(high):
-        low, high = high, high * 2
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
+    return max_concurrent(deployment, ring, context)
 
 
 def concurrency_rows(pool: int, contexts: list[int]) -> list[dict]:
@@ -74,7 +59,7 @@ def concurrency_rows(pool: int, contexts: list[int]) -> list[dict]:
 
 
 def scheduler_rows(counts: list[int], context: int, steps: int, repeats: int) -> list[dict]:
-    from ringkv.integration.vllm.scheduler_run import build_vllm_config, scheduler_step_times
+    from ringkv.integration.simulation.scheduler_run import build_vllm_config, scheduler_step_times
 
     rows = []
     for count in counts:
@@ -132,12 +117,9 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     return paths
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="CI-sized run")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    options = parser.parse_args()
-    if options.quick:
+def run(quick: bool, out: Path) -> tuple[Path, list[dict], list[Path]]:
+    """Measure, write the JSONL rows and the plots; returns (rows file, rows, plots)."""
+    if quick:
         rows = kv_bytes_rows([4096, 65_536], decode_steps=4)
         rows += concurrency_rows(pool=4096, contexts=[65_536])
         rows += scheduler_rows([1, 4], context=16_384, steps=10, repeats=2)
@@ -145,14 +127,5 @@ def main() -> int:
         rows = kv_bytes_rows([4096, 16_384, 65_536, 131_072, 262_144, 524_288, 1_048_576], decode_steps=16)
         rows += concurrency_rows(pool=16_384, contexts=[65_536, 131_072, 262_144])
         rows += scheduler_rows([1, 16, 64], context=262_144 - 1024, steps=20, repeats=5)
-    name = "cpu_figures_quick.jsonl" if options.quick else "cpu_figures.jsonl"
-    print("rows:", write_jsonl(options.out / name, rows))
-    for row in rows:
-        print({k: v for k, v in row.items() if k != "env"})
-    for path in plot(rows, options.out):
-        print("plot:", path)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    path = write_jsonl(out / ("cpu_figures_quick.jsonl" if quick else "cpu_figures.jsonl"), rows)
+    return path, rows, plot(rows, out)

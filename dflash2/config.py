@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ringkv.kernels.ring_geometry import RingPlan
-
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
@@ -65,11 +63,6 @@ class DFlashConfig:
     def is_dflash2(self) -> bool:
         """DFlash2 adds the block-local grouped convolution around attention and MLP."""
         return self.conv_kernel_size is not None
-
-    def ring_plans(self, kv_block_size: int) -> dict[int, RingPlan]:
-        """One ring per distinct window (lookahead = the draft block size); full layers get none."""
-        windows = sorted({layer.window for layer in self.layers if layer.window is not None})
-        return {window: RingPlan(window, kv_block_size, self.block_size) for window in windows}
 
     def to_dict(self) -> dict[str, Any]:
         """The fields a ``config.json`` needs to reproduce this config."""
@@ -180,4 +173,12 @@ def load_config(path: str | Path) -> DFlashConfig:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    return parse_config(json.loads(path.read_text()), source=str(path))
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise DFlashConfigError(
+            f"{path}: not a readable JSON config ({error}); give the drafter's config.json"
+        ) from error
+    if not isinstance(raw, dict):
+        raise DFlashConfigError(f"{path}: a JSON {type(raw).__name__}, not an object; give the drafter's config.json")
+    return parse_config(raw, source=str(path))

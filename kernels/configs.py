@@ -84,13 +84,16 @@ class WriteConfig:
 
 # elements of K (and of V) one ring_write program moves
 WRITE_TILE_ELEMENTS = 8192
+# the interpreter costs per program: eight times the rows per program there
+INTERPRETED_WRITE_TILE_ELEMENTS = 65536
 
 
-def select_write_config(*, num_kv_heads: int, head_dim: int) -> WriteConfig:
+def select_write_config(*, num_kv_heads: int, head_dim: int, interpreted: bool = False) -> WriteConfig:
     """All heads of a row in one program when they fit, and as many rows as fill the tile."""
+    elements = INTERPRETED_WRITE_TILE_ELEMENTS if interpreted else WRITE_TILE_ELEMENTS
     block_d = next_pow2(head_dim)
-    block_h = max(1, min(next_pow2(num_kv_heads), WRITE_TILE_ELEMENTS // block_d))
-    block_t = max(1, WRITE_TILE_ELEMENTS // (block_h * block_d))
+    block_h = max(1, min(next_pow2(num_kv_heads), elements // block_d))
+    block_t = max(1, elements // (block_h * block_d))
     return WriteConfig(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)
 
 
@@ -113,7 +116,8 @@ class PrefillConfig:
 PREFILL_BLOCK_M = 64
 # Triton's CPU interpreter costs per program, not per FLOP: long chunks take far taller tiles there
 INTERPRETED_LONG_CHUNK = 2048
-INTERPRETED_PREFILL_BLOCK_M = 1024
+INTERPRETED_PREFILL_BLOCK_M = 512
+INTERPRETED_PREFILL_TILE_C = 128
 
 
 def select_prefill_config(
@@ -126,11 +130,10 @@ def select_prefill_config(
     interpreted: bool = False,
 ) -> PrefillConfig:
     """All G heads of a query in one program; as many queries as fill ``PREFILL_BLOCK_M`` rows (under the
-    interpreter, ``INTERPRETED_PREFILL_BLOCK_M`` for chunks of ``INTERPRETED_LONG_CHUNK`` queries or more)."""
-    rows = PREFILL_BLOCK_M
-    if interpreted and max_query_len >= INTERPRETED_LONG_CHUNK:
-        rows = INTERPRETED_PREFILL_BLOCK_M
-    block_q = max(1, rows // group_size)
+    interpreter, ``INTERPRETED_PREFILL_BLOCK_M`` rows and ``INTERPRETED_PREFILL_TILE_C`` chunk keys per step for
+    chunks of ``INTERPRETED_LONG_CHUNK`` queries or more)."""
+    tall = interpreted and max_query_len >= INTERPRETED_LONG_CHUNK
+    block_q = max(1, (INTERPRETED_PREFILL_BLOCK_M if tall else PREFILL_BLOCK_M) // group_size)
     block_d = max(MIN_DOT_DIM, next_pow2(head_dim))
     block_dv = max(MIN_DOT_DIM, next_pow2(head_dim_v))
     # head_dim 256: a 64 x 256 fp32 accumulator is 128 registers a thread at 4 warps (spills with 32-key tiles);
@@ -140,7 +143,7 @@ def select_prefill_config(
         BLOCK_Q=block_q,
         BLOCK_M=max(MIN_DOT_DIM, next_pow2(block_q * group_size)),
         TILE_N=ring_tile_keys(block_size),
-        TILE_C=32 if wide else 64,
+        TILE_C=INTERPRETED_PREFILL_TILE_C if tall else 32 if wide else 64,
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,
         num_warps=8 if wide else 4,

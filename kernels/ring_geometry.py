@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 PAD_SLOT = -1
+# positions are int32 inside the kernels: the largest absolute position a request may reach (exclusive)
+MAX_POSITION = 1 << 31
 # the window of a full-attention layer served by the ring kernels: one no sequence reaches
 UNBOUNDED_WINDOW = 1 << 40
 
@@ -224,6 +226,15 @@ def varlen_positions(
     ends = seq_lens.to(torch.int64)[request]
     positions = ends - query_lens + (tokens - starts)
     return request, torch.where(inside, positions, torch.full_like(positions, -1)), ends
+
+
+def live_write_slots(
+    slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, window: int
+) -> torch.Tensor:
+    """Where a varlen batch's rows go after attending: vLLM's ``slot_mapping`` with the rows ``written`` rejects
+    (dead positions) and all but the last writer of each slot PAD. No host sync."""
+    _, positions, ends = varlen_positions(query_start_loc, seq_lens, num_tokens)
+    return last_writer_slots(pad_unwritten(slot_mapping[:num_tokens], positions, ends, window))
 
 
 def last_writer_slots(slot_mapping: torch.Tensor) -> torch.Tensor:

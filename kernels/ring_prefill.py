@@ -19,7 +19,7 @@ from ._triton_utils import is_interpreter
 from .attention_inputs import validate_attention_inputs
 from .configs import PrefillConfig, select_prefill_config
 from .ring_attention import LOG2E
-from .ring_geometry import last_writer_slots, pad_unwritten, table_slot_mapping, varlen_positions
+from .ring_geometry import last_writer_slots, live_write_slots, table_slot_mapping, varlen_positions
 from .ring_write import ring_write
 from .varlen import BatchMode, VarlenBatch
 
@@ -189,13 +189,13 @@ def ring_prefill_attention(
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
     if write_ring and num_tokens:
-        request, positions, ends = varlen_positions(batch.query_start_loc, batch.seq_lens, num_tokens)
         if slot_mapping is None:
-            slots = table_slot_mapping(
+            request, positions, ends = varlen_positions(batch.query_start_loc, batch.seq_lens, num_tokens)
+            slots = last_writer_slots(table_slot_mapping(
                 positions, batch.block_table, block_size=k_cache.shape[1], window=window,
                 period=batch.period, request_index=request, committed_end=ends,
-            )  # fmt: skip
+            ))  # fmt: skip
         else:
-            slots = pad_unwritten(slot_mapping[:num_tokens], positions, ends, window)
-        ring_write(k_new, v_new, k_cache, v_cache, last_writer_slots(slots))
+            slots = live_write_slots(slot_mapping, batch.query_start_loc, batch.seq_lens, num_tokens, window)
+        ring_write(k_new, v_new, k_cache, v_cache, slots)
     return out

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_utils import is_interpreter
 from .attention_inputs import SUPPORTED_DTYPES, check_cache_pair, check_same_device
 from .configs import select_write_config
 from .varlen import INDEX_DTYPES
@@ -101,7 +102,9 @@ def ring_write(
     check_same_device({"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping})
     if num_tokens == 0:
         return
-    config = select_write_config(num_kv_heads=num_kv_heads, head_dim=max(head_dim, v.shape[2]))
+    config = select_write_config(
+        num_kv_heads=num_kv_heads, head_dim=max(head_dim, v.shape[2]), interpreted=is_interpreter()
+    )
     grid = (triton.cdiv(num_tokens, config.BLOCK_T), triton.cdiv(num_kv_heads, config.BLOCK_H))
     _ring_write_kernel[grid](
         k, v, slot_mapping, k_cache, v_cache, num_tokens,

@@ -20,11 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .ring_geometry import MAX_POSITION
+
 INDEX_DTYPES = (torch.int32, torch.int64)
 # most queries per request in a draft block (rows one ring_attention program set holds)
 MAX_QUERY_LEN = 64
-# positions are int32 inside the kernels
-MAX_SEQ_LEN = 2**31 - 1
+# positions are int32 inside the kernels: the last one is MAX_POSITION - 1
+MAX_SEQ_LEN = MAX_POSITION - 1
 
 
 class BatchMode(enum.Enum):

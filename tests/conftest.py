@@ -17,3 +17,11 @@ if not torch.cuda.is_available():
 def device() -> torch.device:
     """Where kernel tests put tensors: the GPU if there is one, else the CPU (interpreter)."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+@pytest.fixture(scope="session")
+def chain_models(tmp_path_factory):
+    """The tiny target and the trained DFlash drafter vLLM's engine serves (built once per session, ~20 s)."""
+    from ringkv.dflash2.harness.engine_models import EngineModelSpec, build_engine_models
+
+    return build_engine_models(tmp_path_factory.mktemp("chain-models"), EngineModelSpec())

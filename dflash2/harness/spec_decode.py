@@ -57,12 +57,6 @@ class SpecDecodeResult:
     # per step: the drafter's logits [B-1, vocab] for its drafts
     draft_logits: list[torch.Tensor] = field(default_factory=list)
 
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens committed per verify step (accepted drafts + the bonus token)."""
-        steps = self.accepted_per_step
-        return sum(a + 1 for a in steps) / len(steps) if steps else 0.0
-
 
 @torch.no_grad()
 def speculative_generate(

@@ -140,15 +140,8 @@ def _scheduler_probes() -> None:
 
         return wrapped
 
-    def shutdown(original):
-        def wrapped(self, *args, **kwargs):
-            _save()
-            return original(self, *args, **kwargs)
-
-        return wrapped
-
     _wrap(Scheduler, "schedule", schedule)
-    _wrap(Scheduler, "shutdown", shutdown)
+    _wrap(Scheduler, "shutdown", _saving_first)
 
 
 def _drafter_group(scheduler: Any) -> int | None:
@@ -159,17 +152,20 @@ def _drafter_group(scheduler: Any) -> int | None:
     return None
 
 
+def _saving_first(original):
+    """A shutdown that writes this process's record first."""
+
+    def shutdown(self, *args, **kwargs):
+        _save()
+        return original(self, *args, **kwargs)
+
+    return shutdown
+
+
 def _worker_probes() -> None:
     from vllm.v1.worker.gpu_worker import Worker
 
-    def shutdown(original):
-        def wrapped(self, *args, **kwargs):
-            _save()
-            return original(self, *args, **kwargs)
-
-        return wrapped
-
-    _wrap(Worker, "shutdown", shutdown)
+    _wrap(Worker, "shutdown", _saving_first)
 
 
 def install() -> None:

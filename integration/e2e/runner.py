@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,10 +84,12 @@ def run_engine(
     with tempfile.TemporaryDirectory(prefix="ringkv-e2e-") as directory:
         probe = ProbeConfig(directory, drafter_layers, record_outputs, progress=on_progress is not None)
         spec = EngineRunSpec(**{**asdict(spec), "probe": asdict(probe)})
+        spec_file = Path(directory) / "spec.json"
+        spec_file.write_text(json.dumps(asdict(spec)))
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_") and k != PROBE_ENV}
         start = time.perf_counter()
         process = subprocess.Popen(
-            [sys.executable, "-m", "ringkv.integration.e2e.worker", json.dumps(asdict(spec))],
+            [sys.executable, "-m", "ringkv.integration.e2e.worker", str(spec_file)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         )  # fmt: skip
         lines, result = [], None

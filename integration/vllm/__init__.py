@@ -15,7 +15,13 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from ._compat import AttentionBackendEnum, KVCacheSpecRegistry, ensure_builtin_kv_specs, register_backend
+    from ._compat import (
+        AttentionBackendEnum,
+        KVCacheSpecRegistry,
+        alias_attention_backend,
+        ensure_builtin_kv_specs,
+        register_backend,
+    )
     from .kv_cache import RingSWAManager, RingSWASpec
     from .planning import collect_specs_in_config_scope
     from .selection import honour_attention_backend_env, route_ring_selection_on_cpu
@@ -24,10 +30,8 @@ def register() -> None:
     ensure_builtin_kv_specs()
     KVCacheSpecRegistry.register(RingSWASpec, RingSWAManager, uniform_type_base_spec=RingSWASpec)
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
-    if "RINGKV" in AttentionBackendEnum.__members__:
-        register_backend(AttentionBackendEnum["RINGKV"], BACKEND_PATH)
-    else:
-        register_backend("RINGKV", BACKEND_PATH)
+    # "RINGKV" names CUSTOM: a selection must survive pickling into processes where no plugin has run yet
+    alias_attention_backend("RINGKV", AttentionBackendEnum.CUSTOM)
     honour_attention_backend_env(os.environ.get("VLLM_ATTENTION_BACKEND"))
     route_ring_selection_on_cpu(BACKEND_PATH)
     collect_specs_in_config_scope()

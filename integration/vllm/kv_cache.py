@@ -122,10 +122,6 @@ class RingSWAManager(SlidingWindowManager):
                 f"{self.plan.window}); plan the ring spec with vLLM's num_lookahead_tokens >= {lookahead}"
             )
 
-    def held_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        """The request's distinct physical ring blocks."""
-        return list(self.rings.get(request_id, ()))
-
     def get_num_blocks_to_allocate(
         self,
         request_id: str,

@@ -17,7 +17,7 @@ from typing import Any
 
 from ringkv.kernels._triton_utils import is_interpreter
 
-from ._compat import AttentionBackendEnum, EngineArgs, cpu_platform_class, init_logger
+from ._compat import AttentionBackendEnum, cpu_platform_class, engine_args_class, init_logger
 
 logger = init_logger(__name__)
 
@@ -46,7 +46,8 @@ def honour_attention_backend_env(value: str | None) -> None:
     """Hook ``EngineArgs.create_speculative_config`` when ``VLLM_ATTENTION_BACKEND`` names the ring."""
     if value is None or value.upper() not in RING_NAMES:
         return
-    original = EngineArgs.create_speculative_config
+    engine_args = engine_args_class()
+    original = engine_args.create_speculative_config
     if getattr(original, "_ringkv_wrapped", False):
         return
 
@@ -56,7 +57,7 @@ def honour_attention_backend_env(value: str | None) -> None:
         return original(self, *args, **kwargs)
 
     create_speculative_config._ringkv_wrapped = True  # type: ignore[attr-defined]
-    EngineArgs.create_speculative_config = create_speculative_config
+    engine_args.create_speculative_config = create_speculative_config
 
 
 def selects_ring(selected_backend: Any, backend_path: str) -> bool:

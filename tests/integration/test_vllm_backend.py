@@ -4,8 +4,10 @@ and forward / do_kv_cache_update driven with vLLM's CommonAttentionMetadata on a
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -13,8 +15,8 @@ import torch
 
 pytest.importorskip("vllm")
 
+from ringkv.integration.simulation.admission import Deployment, drafter_manager, make_request
 from ringkv.integration.vllm import register
-from ringkv.integration.vllm.admission import Deployment, drafter_manager, make_request
 from ringkv.integration.vllm.backend import RingKVBackend
 from ringkv.integration.vllm.kv_cache import RingSWASpec, to_ring_spec
 from ringkv.integration.vllm.planning import RingConfigError, check_ring_config
@@ -154,10 +156,12 @@ def test_vllm_attention_backend_env_selects_the_drafter_backend(monkeypatch):
     from ringkv.integration.vllm import selection
 
     seen = []
-    monkeypatch.setattr(selection.EngineArgs, "create_speculative_config", lambda self, *a, **k: seen.append(self))
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setattr(EngineArgs, "create_speculative_config", lambda self, *a, **k: seen.append(self))
     selection.honour_attention_backend_env("RINGKV")
     args = SimpleNamespace(speculative_config={"method": "dflash", "num_speculative_tokens": 7}, spec_method=None)
-    selection.EngineArgs.create_speculative_config(args)
+    EngineArgs.create_speculative_config(args)
     assert seen == [args] and args.speculative_config["attention_backend"] == "RINGKV"
     explicit = SimpleNamespace(speculative_config={"method": "dflash", "attention_backend": "FLASH_ATTN"})
     selection.apply_drafter_backend(explicit)
@@ -234,3 +238,131 @@ def test_forward_and_kv_update_with_common_attention_metadata(causal, device):
     got = output[:tokens].view(tokens, NUM_Q_HEADS, dim).cpu()
     assert_attention_close(got, expected, expected_lo, name="RingKVImpl.forward")
     assert torch.isnan(output[tokens:]).all(), "padding rows were written"
+
+
+def _one_draft_block(device, causal: bool = False):
+    """One request at committed P = 40 (W 64, bs 16), its 8-row draft block, and a ring-row block table."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    block, committed, bs, heads, dim = 8, 40, 16, 2, 32
+    table = torch.tensor([[1, 2, 3, 4, 5]], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, block], dtype=torch.int32)
+    positions = torch.arange(committed, committed + block)
+    common = CommonAttentionMetadata(
+        query_start_loc=query_start_loc.to(device), query_start_loc_cpu=query_start_loc,
+        seq_lens=torch.tensor([committed + block], dtype=torch.int32, device=device), num_reqs=1,
+        num_actual_tokens=block, max_query_len=block, max_seq_len=committed + block,
+        block_table_tensor=table.to(device), slot_mapping=(table[0, positions // bs] * bs + positions % bs).to(device),
+        causal=causal,
+    )  # fmt: skip
+    kv_cache = torch.randn(6, heads, bs, 2 * dim).to(device)
+    q, k, v = torch.randn(block, NUM_Q_HEADS * dim), torch.randn(block, heads, dim), torch.randn(block, heads, dim)
+    impl = RingKVBackend.get_impl_cls()(NUM_Q_HEADS, dim, dim**-0.5, heads, sliding_window=64)
+    return common, kv_cache, impl, (q.to(device), k.to(device), v.to(device))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("route", ["build_for_drafting", "is_draft spec"])
+def test_a_drafters_block_rows_are_never_written_to_the_ring(route, device):
+    """vLLM 0.32 marks no spec is_draft: the drafter builds through build_for_drafting (V1); 0.34 marks
+    is_draft and builds with build() (V2). Either way the ring is unchanged by the draft block's forward."""
+    common, kv_cache, impl, (q, k, v) = _one_draft_block(device)
+    if route == "build_for_drafting":
+        metadata = RingKVBackend.get_builder_cls()(None, ["drafter"], None, device).build_for_drafting(common, 0)
+    else:
+        spec = SimpleNamespace(is_draft=True, sliding_window=64)
+        metadata = RingKVBackend.get_builder_cls()(spec, ["drafter"], None, device).build(0, common)
+    before = kv_cache.clone()
+    impl.forward(None, q, k, v, kv_cache, metadata, torch.empty(len(q), q.shape[1], device=device))
+    assert not metadata.persist_new_rows
+    assert torch.equal(kv_cache, before), "a draft block's K/V were stored in the ring"
+
+
+@pytest.mark.interpreter
+def test_a_target_layers_new_rows_are_stored_after_attending(device):
+    common, kv_cache, impl, (q, k, v) = _one_draft_block(device, causal=True)
+    spec = SimpleNamespace(sliding_window=64)
+    metadata = RingKVBackend.get_builder_cls()(spec, ["target"], None, device).build(0, common)
+    impl.forward(None, q, k, v, kv_cache, metadata, torch.empty(len(q), q.shape[1], device=device))
+    # positions 40..47 -> block 3 (column 2), offsets 8..15; K is the first head_size features
+    assert torch.equal(kv_cache[3, :, 8:16, :32].transpose(0, 1).cpu(), k.cpu())
+
+
+def test_a_ringkv_selection_survives_pickling_into_a_fresh_process():
+    """vLLM pickles its config (the selected backend included) into the engine-core process before any plugin
+    has run there; "RINGKV" must travel as a member that process can resolve."""
+    import pickle
+
+    register()
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    payload = pickle.dumps(AttentionBackendEnum["RINGKV"]).hex()
+    code = f"import pickle; print(pickle.loads(bytes.fromhex('{payload}')).name)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("CUSTOM")
+
+
+@pytest.mark.interpreter
+def test_an_in_place_rewrite_of_the_slot_buffer_is_seen_by_the_next_update(device):
+    """vLLM fills its slot buffers in place with kernels that do not bump the tensor version: each
+    do_kv_cache_update must read this step's slots, never a cached form of the last step's."""
+    _, kv_cache, impl, (_, k, v) = _one_draft_block(device)
+    slots = torch.arange(16, 24, device=device)  # block 1, offsets 0..7
+    impl.do_kv_cache_update(None, k, v, kv_cache, slots)
+    slots.data.copy_(torch.arange(40, 48))  # block 2, offsets 8..15, same tensor, same version
+    impl.do_kv_cache_update(None, 2 * k, 2 * v, kv_cache, slots)
+    assert torch.equal(kv_cache[2, :, 8:16, :32].transpose(0, 1).cpu(), 2 * k.cpu())
+
+
+@pytest.mark.interpreter
+def test_two_builds_before_their_forwards_do_not_share_state(device):
+    """Micro-batching builds every batch's metadata before the forwards run: a later build must not change
+    what an earlier build's forward stores."""
+    first, kv_cache, impl, (q, k, v) = _one_draft_block(device, causal=True)
+    second = replace(first, slot_mapping=first.slot_mapping + 16)  # the same rows one block further on
+    builder = RingKVBackend.get_builder_cls()(SimpleNamespace(sliding_window=64), ["target"], None, device)
+    metadata_first, _ = builder.build(0, first), builder.build(0, second)
+    impl.forward(None, q, k, v, kv_cache, metadata_first, torch.empty(len(q), q.shape[1], device=device))
+    assert torch.equal(kv_cache[3, :, 8:16, :32].transpose(0, 1).cpu(), k.cpu())
+
+
+def test_a_host_sync_during_graph_capture_is_refused(monkeypatch):
+    from ringkv.integration.vllm.host_sync import HostSyncDuringCapture
+    from ringkv.integration.vllm.metadata import resolve_causal
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert resolve_causal(torch.tensor([True, True])) is True  # a host tensor never syncs
+    device_flags = SimpleNamespace(device=torch.device("cuda"), flatten=lambda: pytest.fail("read during capture"))
+    with pytest.raises(HostSyncDuringCapture, match="per-group causal flag as a bool"):
+        resolve_causal(device_flags)
+
+
+def test_cross_layer_kv_sharing_is_refused():
+    with pytest.raises(NotImplementedError, match=r"kv_sharing_target_layer_name='model\.layers\.0"):
+        RingKVBackend.get_impl_cls()(8, 32, 0.1, 2, sliding_window=64,
+                                     kv_sharing_target_layer_name="model.layers.0.self_attn.attn")  # fmt: skip
+
+
+# what the plugin must not load: the scheduler, the engine (core, client, args), the simulation driving them,
+# the engine-level probe, vLLM's CPU attention (vLLM's own KV-cache modules do load the type-only
+# vllm.v1.engine package and vllm.v1.core.sched.output)
+NOT_FOR_SERVING = (
+    "vllm.v1.core.sched.scheduler", "vllm.v1.engine.core", "vllm.v1.engine.llm_engine", "vllm.engine.arg_utils",
+    "vllm.v1.attention.backends.cpu_attn", "ringkv.integration.simulation", "ringkv.integration.e2e",
+)  # fmt: skip
+
+
+def test_the_plugin_imports_no_scheduler_or_engine_module():
+    """register() runs in every vLLM process: it loads only what serving needs."""
+    code = (
+        "import sys\n"
+        "from ringkv.integration.vllm import register\n"
+        "register()\n"
+        f"print(sorted(m for m in sys.modules if m.startswith({NOT_FOR_SERVING!r})))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "RINGKV_"))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -49,9 +49,9 @@ def engine_runs(models, backends) -> dict:
 
 
 @pytest.fixture(scope="module")
-def sliding(tmp_path_factory):
-    models = build_engine_models(tmp_path_factory.mktemp("engine-sliding"), SLIDING)
-    return models, engine_runs(models, (None, "stock", "ring"))
+def sliding(chain_models):
+    assert chain_models.spec == SLIDING
+    return chain_models, engine_runs(chain_models, (None, "stock", "ring"))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from ringkv.integration.vllm.admission import Deployment, drafter_manager, make_request
+from ringkv.integration.simulation.admission import Deployment, drafter_manager, make_request
 from ringkv.kernels.ring_geometry import cdiv
 
 pytestmark = pytest.mark.vllm
@@ -33,7 +33,7 @@ def held_by_group(manager, request_ids) -> int:
 def check_invariants(manager, live, needs, initial_free) -> None:
     drafter = drafter_manager(manager)
     plan = SMALL.ring_plan
-    rings = {rid: [b.block_id for b in drafter.held_blocks(rid)] for rid in live}
+    rings = {rid: [b.block_id for b in drafter.rings[rid]] for rid in live}
     all_ring_blocks = [b for blocks in rings.values() for b in blocks]
     assert len(all_ring_blocks) == len(set(all_ring_blocks)), "two requests share a ring block"
     for rid, request in live.items():

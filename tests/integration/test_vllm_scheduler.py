@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from ringkv.integration.vllm.admission import Deployment
-from ringkv.integration.vllm.scheduler_run import (
+from ringkv.integration.simulation.admission import Deployment
+from ringkv.integration.simulation.scheduler_run import (
     build_vllm_config,
     scheduler_largest_admissible,
     scheduler_run,

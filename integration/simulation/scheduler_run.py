@@ -17,9 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import register
-from ._compat import DraftTokenIds, EngineArgs, ModelRunnerOutput, Scheduler, StructuredOutputManager, VllmConfig
-from .admission import Deployment, drafter_blocks_held, make_request
+from ringkv.integration.vllm import register
+
+from ._vllm import DraftTokenIds, EngineArgs, ModelRunnerOutput, Scheduler, StructuredOutputManager, VllmConfig
+from .admission import Deployment, drafter_blocks_held, largest_satisfying, make_request
 
 
 def write_model_config(folder: Path, max_model_len: int) -> Path:
@@ -75,13 +76,8 @@ def scheduler_admits(config: VllmConfig, deployment: Deployment, ring: bool, num
 
 
 def scheduler_largest_admissible(config: VllmConfig, deployment: Deployment, ring: bool) -> int:
-    low, high = 0, deployment.max_model_len
-    if scheduler_admits(config, deployment, ring, high):
-        return high
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if scheduler_admits(config, deployment, ring, middle) else (low, middle)
-    return low
+    """The longest prompt an empty engine starts; 0 if none."""
+    return largest_satisfying(lambda n: scheduler_admits(config, deployment, ring, n), deployment.max_model_len)
 
 
 @dataclass

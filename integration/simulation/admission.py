@@ -5,15 +5,17 @@ blocks held through a chunked prefill plus speculative decode steps with random 
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from ringkv.integration.vllm import register
+from ringkv.integration.vllm.kv_cache import RingSWASpec
 from ringkv.kernels.ring_geometry import RingPlan
 
-from . import register
-from ._compat import (
+from ._vllm import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -22,7 +24,6 @@ from ._compat import (
     SamplingParams,
     SlidingWindowSpec,
 )
-from .kv_cache import RingSWASpec
 
 
 @dataclass(frozen=True)
@@ -121,15 +122,15 @@ def admits(deployment: Deployment, ring: bool, num_tokens: int) -> bool:
     )
 
 
+def largest_satisfying(predicate: Callable[[int], bool], upper: int) -> int:
+    """The largest ``n`` in ``1..upper`` with ``predicate(n)`` for a predicate true up to some point and false
+    after it (bisection); 0 if ``predicate(1)`` is false."""
+    return bisect.bisect_left(range(1, upper + 1), True, key=lambda n: not predicate(n))
+
+
 def largest_admissible(deployment: Deployment, ring: bool) -> int:
-    """Bisection over ``1..max_model_len`` (admission is monotone in the prompt length); 0 if none."""
-    low, high = 0, deployment.max_model_len
-    if admits(deployment, ring, high):
-        return high
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if admits(deployment, ring, middle) else (low, middle)
-    return low
+    """The longest prompt a fresh pool admits (admission is monotone in the prompt length); 0 if none."""
+    return largest_satisfying(lambda n: admits(deployment, ring, n), deployment.max_model_len)
 
 
 @dataclass
@@ -236,10 +237,14 @@ def _schedule(deployment: Deployment, num_prompt: int, decode_steps: int, rng: r
         yield "decode", 1 + deployment.num_speculative_tokens, 1 + rng.randint(0, deployment.num_speculative_tokens)
 
 
-def max_concurrent(deployment: Deployment, ring: bool, num_tokens: int, decode_steps: int = 4) -> int:
-    """The most ``num_tokens`` requests that run to completion together in one pool (interleaved prefill
-    and decode, nothing preempted)."""
-    count = 0
-    while run_requests(deployment, ring, [num_tokens] * (count + 1), decode_steps).failure is None:
-        count += 1
-    return count
+def max_concurrent(deployment: Deployment, ring: bool, num_tokens: int, decode_steps: int = 2) -> int:
+    """The most ``num_tokens`` requests that run to completion together in one pool (interleaved prefill and
+    decode, nothing preempted): doubling to an upper bound, then bisection."""
+
+    def fits(count: int) -> bool:
+        return run_requests(deployment, ring, [num_tokens] * count, decode_steps).failure is None
+
+    upper = 1
+    while fits(upper):
+        upper *= 2
+    return largest_satisfying(fits, upper)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Benchmark plumbing: the environment record every row carries, and JSONL output."""
+"""The environment record every benchmark row carries (machine, versions, commit, GPU), and JSONL output."""
 
 from __future__ import annotations
 
