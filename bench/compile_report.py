@@ -125,12 +125,13 @@ def global_loads(cubin: bytes) -> list[tuple[str, str, int]]:
     return loads
 
 
-def kv_tile_lines() -> tuple[str, range]:
-    """Source file and lines of ``_tiles.load_kv_tile``: the K/V tile loads of every attention kernel."""
+def kv_tile_lines() -> tuple[tuple[str, ...], range]:
+    """Source file (its last two path parts: Triton's cache may hold a cubin compiled from another checkout of
+    the same source) and lines of ``_tiles.load_kv_tile``: the K/V tile loads of every attention kernel."""
     from ringkv.kernels import _tiles
 
     lines, first = inspect.getsourcelines(_tiles.load_kv_tile.fn)
-    return str(Path(inspect.getsourcefile(_tiles.load_kv_tile.fn)).resolve()), range(first, first + len(lines))
+    return Path(inspect.getsourcefile(_tiles.load_kv_tile.fn)).parts[-2:], range(first, first + len(lines))
 
 
 def mma_kind(ttgir: str) -> str:
@@ -167,7 +168,7 @@ class NativeLaunches:
     """Intercept launches of the given kernels: bind the arguments with Triton's binder for ``arch`` and record
     the specialisation key (``compile=False``) or compile and measure it (``compile=True``, memoised per key)."""
 
-    def __init__(self, arch: int, *, compile: bool, kv_lines: tuple[str, range] | None) -> None:
+    def __init__(self, arch: int, *, compile: bool, kv_lines: tuple[tuple[str, ...], range] | None) -> None:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import make_backend
 
@@ -212,8 +213,8 @@ class NativeLaunches:
         loads = global_loads(cubin)
         kv = None
         if self.kv_lines is not None:
-            path, lines = self.kv_lines
-            kv = dict(Counter(op for op, file, line in loads if Path(file).resolve() == Path(path) and line in lines))
+            parts, lines = self.kv_lines
+            kv = dict(Counter(op for op, file, line in loads if Path(file).parts[-2:] == parts and line in lines))
         smem = usage["SHARED"] + compiled.metadata.shared
         return Compiled(
             kernel=name, arch=self.arch, key=key, num_warps=options.num_warps, num_stages=options.num_stages,
