@@ -15,9 +15,9 @@ without that specialisation compiles a different, worse kernel (``design/perform
 
 Usage (the full sweep writes ``bench/results/compile_report.jsonl`` and the table in ``bench/README.md``)::
 
-    .venv/bin/python bench/compile_report.py
-    .venv/bin/python bench/compile_report.py --quick --out /tmp/report     # the CI subset, no README
-    .venv/bin/python bench/compile_report.py --vllm-source /path/to/site-packages  # + vLLM's kernel
+    .venv/bin/ringkv bench compile-report
+    .venv/bin/ringkv bench compile-report --quick --out /tmp/report     # the CI subset, no README
+    .venv/bin/ringkv bench compile-report --vllm-source /path/to/site-packages  # + vLLM's kernel
 
 vLLM's ``kernel_unified_attention`` is loaded at run time from its two source files (``vllm_unified.py``);
 nothing of vLLM is copied here.
@@ -34,7 +34,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -46,10 +45,7 @@ from unittest import mock
 
 import typer
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
-
-from ringkv_path import ensure_ringkv_importable  # noqa: E402
+from .records import REPO, environment
 
 ARCHS = (90, 100)
 README = REPO / "bench" / "README.md"
@@ -340,7 +336,6 @@ def cases(quick: bool) -> list[Case]:
 
 def report_rows(case_list: list[Case], archs: tuple[int, ...]) -> list[dict]:
     """Compile every case for every arch; one row per (case, arch, kernel launched)."""
-    ensure_ringkv_importable()
     kv_lines = kv_tile_lines()
     rows = []
     for arch in archs:
@@ -358,7 +353,6 @@ def report_rows(case_list: list[Case], archs: tuple[int, ...]) -> list[dict]:
 
 def keys_over_batch(max_reqs: int, groups_dims: list[tuple[int, int]], arch: int = 90) -> dict[str, dict[str, int]]:
     """Distinct specialisations (= compiled kernels) per decode shape and kernel over N = 1..max_reqs requests."""
-    ensure_ringkv_importable()
     found: dict[str, dict[str, set[str]]] = {}
     native = NativeLaunches(arch, compile=False, kv_lines=None)
     with cpu_stand_ins(), native.intercept(ringkv_kernels()):
@@ -380,7 +374,8 @@ def vllm_rows(source: Path, archs: tuple[int, ...], batch_sizes: tuple[int, ...]
     """``unified_attention`` (its own launcher's choices) at the DFlash2 decode shape: 2D path, B = 8 queries per
     request, ``window_size=(W-1, W-1)`` (non-causal), a periodic block-table row as ``table_period=None``."""
     import torch
-    from vllm_unified import load_unified_attention
+
+    from .vllm_unified import load_unified_attention
 
     unified = load_unified_attention(source)
     head_dim, group = 128, 4
@@ -488,22 +483,7 @@ def write_readme_section(body: str) -> None:
     README.write_text(text[:start] + "\n" + body + "\n" + text[end:])
 
 
-def environment() -> dict:
-    import torch
-    import triton
-
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "kernels", "bench"], cwd=REPO,
-                           capture_output=True, text=True)  # fmt: skip
-    return {"triton": triton.__version__, "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-            time.gmtime()), "commit": commit.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")}  # fmt: skip
-
-
-app = typer.Typer(add_completion=False)
-
-
-@app.command()
-def main(
+def compile_report(
     quick: Annotated[bool, typer.Option(help="the CI subset (no README update)")] = False,
     arch: Annotated[list[int] | None, typer.Option(help="compute capabilities to compile for")] = None,
     out: Annotated[Path, typer.Option(help="folder for compile_report.jsonl")] = RESULTS,
@@ -540,7 +520,3 @@ def main(
         write_readme_section(table)
     if summary["gate_failures"]:
         raise typer.Exit(1)
-
-
-if __name__ == "__main__":
-    app()

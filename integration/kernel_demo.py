@@ -8,33 +8,25 @@ import time
 from dataclasses import dataclass
 
 import torch
-from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, ring_attention_reference, ring_write
+from ringkv.kernels import BatchMode, VarlenBatch, ring_attention, ring_attention_reference, ring_write
+from ringkv.kernels.shapes import DrafterShape
 from ringkv.kernels.tolerance import attention_error
 
 GIB = 1024**3
 MIB = 1024**2
 
 
-@dataclass(frozen=True)
-class DemoShape:
-    """The DFlash2 drafter of vLLM #55800: W 2048, block 16, 7 speculative tokens, 32/8 heads, hd 128."""
-
-    window: int = 2048
-    block_size: int = 16
-    num_speculative_tokens: int = 7
-    num_q_heads: int = 32
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    max_model_len: int = 262_144
-    dtype: torch.dtype = torch.bfloat16
+# the demo's dtype and the full-length cache it compares the ring with
+DTYPE = torch.bfloat16
+MAX_MODEL_LEN = 262_144
 
 
-def plan_rows(shape: DemoShape) -> list[tuple[str, str]]:
+def plan_rows(shape: DrafterShape) -> list[tuple[str, str]]:
     """(name, value) rows describing the ring plan and its memory next to a full-length cache."""
-    plan = RingPlan.for_dflash(shape.window, shape.block_size, shape.num_speculative_tokens)
-    token_bytes = 2 * shape.num_kv_heads * shape.head_dim * torch.finfo(shape.dtype).bits // 8
+    plan = shape.plan
+    token_bytes = shape.token_bytes(torch.finfo(DTYPE).bits // 8)
     ring_bytes = plan.num_slots * token_bytes
-    full_bytes = shape.max_model_len * token_bytes
+    full_bytes = MAX_MODEL_LEN * token_bytes
     return [
         (
             "window W / block bs / speculative N",
@@ -44,7 +36,7 @@ def plan_rows(shape: DemoShape) -> list[tuple[str, str]]:
         ("ring blocks R = cdiv(W + la - 2, bs) + 1", str(plan.num_blocks)),
         ("ring slots S = R * bs", str(plan.num_slots)),
         ("drafter KV per request and layer, ring", f"{ring_bytes / MIB:.3f} MiB"),
-        (f"drafter KV per request and layer, full {shape.max_model_len}", f"{full_bytes / GIB:.3f} GiB"),
+        (f"drafter KV per request and layer, full {MAX_MODEL_LEN}", f"{full_bytes / GIB:.3f} GiB"),
     ]
 
 
@@ -61,23 +53,23 @@ class StepResult:
         return self.max_error <= self.bound
 
 
-def attention_step(shape: DemoShape, last_position: int, device: torch.device, seed: int = 0) -> StepResult:
+def attention_step(shape: DrafterShape, last_position: int, device: torch.device, seed: int = 0) -> StepResult:
     """Write the last 8192 context positions as one prefill chunk (only the live ``W - 1`` land in the ring),
     then attend the draft block ending at ``last_position`` and compare with the reference."""
     generator = torch.Generator().manual_seed(seed)
-    plan = RingPlan.for_dflash(shape.window, shape.block_size, shape.num_speculative_tokens)
+    plan = shape.plan
     block = plan.lookahead
     committed = last_position + 1 - block
     num_blocks = 2 * plan.num_blocks + 1
     pool_shape = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
-    k_cache = torch.full(pool_shape, float("nan"), dtype=shape.dtype, device=device)
-    v_cache = torch.full(pool_shape, float("nan"), dtype=shape.dtype, device=device)
+    k_cache = torch.full(pool_shape, float("nan"), dtype=DTYPE, device=device)
+    v_cache = torch.full(pool_shape, float("nan"), dtype=DTYPE, device=device)
     ring = (torch.randperm(num_blocks - 1, generator=generator)[: plan.num_blocks] + 1).to(torch.int32)
     chunk = torch.arange(max(0, committed - 8192), committed)
     slots = plan.slot_mapping(chunk, ring, committed_end=committed)
 
     def rand(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=generator).to(shape.dtype).to(device)
+        return torch.randn(*size, generator=generator).to(DTYPE).to(device)
 
     rows = (len(chunk), shape.num_kv_heads, shape.head_dim)
     ring_write(rand(*rows), rand(*rows), k_cache, v_cache, slots.to(device))
@@ -100,6 +92,6 @@ def attention_step(shape: DemoShape, last_position: int, device: torch.device, s
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     ref_hi = ring_attention_reference(**args, compute_dtype=torch.float64)
-    ref_lo = ring_attention_reference(**args, compute_dtype=shape.dtype)
+    ref_lo = ring_attention_reference(**args, compute_dtype=DTYPE)
     report = attention_error(out, ref_hi, ref_lo)
     return StepResult((committed, last_position), int((slots >= 0).sum()), report.max_error, report.bound, seconds)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from ringkv.integration.vllm import register
 from ringkv.integration.vllm.kv_cache import RingSWASpec
-from ringkv.kernels.ring_geometry import RingPlan
+from ringkv.kernels.shapes import ISSUE_55800, DrafterShape
 
 from ._vllm import (
     FullAttentionSpec,
@@ -33,51 +33,38 @@ class Deployment:
     pool_blocks: int = 1012
     target_groups: int = 6
     target_block_size: int = 2304
-    drafter_window: int = 2048
-    drafter_block_size: int = 16
-    num_speculative_tokens: int = 7
+    drafter: DrafterShape = ISSUE_55800
     max_model_len: int = 262_144
     max_num_batched_tokens: int = 8192
     async_scheduling: bool = True
-    num_kv_heads: int = 8
-    head_size: int = 128
     # the non-ring drafter: "sliding" (vLLM's SlidingWindowSpec) or "full" (every token kept, as vLLM does
     # when the hybrid KV-cache manager is off)
     stock_drafter: str = "sliding"
     max_num_seqs: int = 16
 
     @property
-    def lookahead(self) -> int:
-        """vLLM's ``num_lookahead_tokens`` for DFlash: ``num_speculative_tokens + 1``."""
-        return self.num_speculative_tokens + 1
-
-    @property
     def max_in_flight_tokens(self) -> int:
         """vLLM's ``max_concurrent_batches * max_num_batched_tokens`` (2 batches with async scheduling)."""
         return (2 if self.async_scheduling else 1) * self.max_num_batched_tokens
 
-    @property
-    def ring_plan(self) -> RingPlan:
-        return RingPlan(self.drafter_window, self.drafter_block_size, self.lookahead)
-
     def drafter_spec(self, ring: bool) -> FullAttentionSpec | SlidingWindowSpec:
         fields = {
-            "block_size": self.drafter_block_size,
-            "num_kv_heads": self.num_kv_heads,
-            "head_size": self.head_size,
+            "block_size": self.drafter.block_size,
+            "num_kv_heads": self.drafter.num_kv_heads,
+            "head_size": self.drafter.head_dim,
             "dtype": torch.bfloat16,
-            "sliding_window": self.drafter_window,
+            "sliding_window": self.drafter.window,
         }
         if ring:
-            return RingSWASpec(**fields, lookahead=self.lookahead)
+            return RingSWASpec(**fields, lookahead=self.drafter.lookahead)
         if self.stock_drafter == "full":
             del fields["sliding_window"]
             return FullAttentionSpec(**fields)
         return SlidingWindowSpec(**fields)
 
     def kv_cache_config(self, ring: bool) -> KVCacheConfig:
-        target = FullAttentionSpec(block_size=self.target_block_size, num_kv_heads=self.num_kv_heads,
-                                   head_size=self.head_size, dtype=torch.bfloat16)  # fmt: skip
+        target = FullAttentionSpec(block_size=self.target_block_size, num_kv_heads=self.drafter.num_kv_heads,
+                                   head_size=self.drafter.head_dim, dtype=torch.bfloat16)  # fmt: skip
         groups = [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], target) for i in range(self.target_groups)]
         groups.append(KVCacheGroupSpec(["drafter.layers.0.self_attn.attn"], self.drafter_spec(ring)))
         return KVCacheConfig(num_blocks=self.pool_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
@@ -88,7 +75,7 @@ class Deployment:
             self.kv_cache_config(ring),
             max_model_len=self.max_model_len,
             scheduler_block_size=self.target_block_size,
-            hash_block_size=self.drafter_block_size,
+            hash_block_size=self.drafter.block_size,
             max_in_flight_tokens=self.max_in_flight_tokens,
             enable_caching=False,
         )
@@ -116,10 +103,10 @@ def admits(deployment: Deployment, ring: bool, num_tokens: int) -> bool:
     manager = deployment.manager(ring)
     request = make_request("probe", num_tokens)
     chunk = min(deployment.max_num_batched_tokens, num_tokens)
-    return (
-        manager.allocate_slots(request, chunk, num_lookahead_tokens=deployment.lookahead, full_sequence_must_fit=True)
-        is not None
+    blocks = manager.allocate_slots(
+        request, chunk, num_lookahead_tokens=deployment.drafter.lookahead, full_sequence_must_fit=True
     )
+    return blocks is not None
 
 
 def largest_satisfying(predicate: Callable[[int], bool], upper: int) -> int:
@@ -156,7 +143,7 @@ class RunResult:
 def _check_ring_row(manager: KVCacheManager, request_id: str, committed: int, deployment: Deployment) -> None:
     """Every live logical block on a non-null, distinct physical block of the request's ring."""
     row = drafter_manager(manager).req_to_blocks[request_id]
-    live = [row[j] for j in deployment.ring_plan.live_blocks(committed) if j < len(row)]
+    live = [row[j] for j in deployment.drafter.plan.live_blocks(committed) if j < len(row)]
     if any(block.is_null for block in live):
         raise AssertionError(f"{request_id}: a live drafter block is the null block (committed={committed})")
     if len({block.block_id for block in live}) != len(live):
@@ -191,7 +178,7 @@ def run_requests(
             kind, num_new, accept = item
             first = request.num_computed_tokens == 0
             blocks = manager.allocate_slots(
-                request, num_new, num_lookahead_tokens=deployment.lookahead, full_sequence_must_fit=first
+                request, num_new, num_lookahead_tokens=deployment.drafter.lookahead, full_sequence_must_fit=first
             )
             if blocks is None:
                 result.failure = f"{request.request_id} step {step} ({kind}, {num_new} tokens): allocate_slots -> None"
@@ -234,7 +221,8 @@ def _schedule(deployment: Deployment, num_prompt: int, decode_steps: int, rng: r
         yield "prefill", chunk, chunk
     for _ in range(decode_steps):
         # the last sampled token plus N drafts are verified; 1 + accepted drafts are committed
-        yield "decode", 1 + deployment.num_speculative_tokens, 1 + rng.randint(0, deployment.num_speculative_tokens)
+        drafts = deployment.drafter.num_speculative_tokens
+        yield "decode", 1 + drafts, 1 + rng.randint(0, drafts)
 
 
 def max_concurrent(deployment: Deployment, ring: bool, num_tokens: int, decode_steps: int = 2) -> int:

@@ -45,7 +45,7 @@ def build_vllm_config(deployment: Deployment, model_dir: Path | None = None) -> 
     args = EngineArgs(
         model=str(model_dir), skip_tokenizer_init=True, max_model_len=deployment.max_model_len,
         max_num_batched_tokens=deployment.max_num_batched_tokens, max_num_seqs=deployment.max_num_seqs,
-        enable_chunked_prefill=True, enable_prefix_caching=False, block_size=deployment.drafter_block_size,
+        enable_chunked_prefill=True, enable_prefix_caching=False, block_size=deployment.drafter.block_size,
         enforce_eager=True,
     )  # fmt: skip
     config = args.create_engine_config()
@@ -56,10 +56,10 @@ def build_vllm_config(deployment: Deployment, model_dir: Path | None = None) -> 
 def make_scheduler(config: VllmConfig, deployment: Deployment, ring: bool) -> Scheduler:
     scheduler = Scheduler(
         config, deployment.kv_cache_config(ring), StructuredOutputManager(config),
-        block_size=deployment.target_block_size, hash_block_size=deployment.drafter_block_size,
+        block_size=deployment.target_block_size, hash_block_size=deployment.drafter.block_size,
     )  # fmt: skip
-    scheduler.num_lookahead_tokens = deployment.lookahead
-    scheduler.num_spec_tokens = deployment.num_speculative_tokens
+    scheduler.num_lookahead_tokens = deployment.drafter.lookahead
+    scheduler.num_spec_tokens = deployment.drafter.num_speculative_tokens
     if deployment.async_scheduling and not ring:
         drafter = scheduler.kv_cache_manager.coordinator.single_type_managers[-1]
         drafter.max_admission_blocks_per_request = drafter.kv_cache_spec.max_admission_blocks_per_request(
@@ -102,10 +102,10 @@ def scheduler_run(
     """One request: chunked prefill, then ``decode_steps`` speculative steps (N drafts, 0..N accepted)."""
     rng = random.Random(seed)
     scheduler = make_scheduler(config, deployment, ring)
-    request = make_request("r0", num_prompt_tokens, max_tokens=decode_steps * (deployment.lookahead) + 1)
+    request = make_request("r0", num_prompt_tokens, max_tokens=decode_steps * (deployment.drafter.lookahead) + 1)
     scheduler.add_request(request)
     trace = SchedulerTrace()
-    drafts = deployment.num_speculative_tokens
+    drafts = deployment.drafter.num_speculative_tokens
     decodes = 0
     while decodes < decode_steps:
         output = scheduler.schedule()
@@ -156,7 +156,7 @@ def scheduler_step_times(
     requests = [make_request(f"r{i}", context, max_tokens=1 << 20) for i in range(num_requests)]
     for request in requests:
         scheduler.add_request(request)
-    drafts = deployment.num_speculative_tokens
+    drafts = deployment.drafter.num_speculative_tokens
     timings: list[float] = []
     while len(timings) < steps:
         decoding = all(r.num_computed_tokens >= r.num_prompt_tokens for r in requests)

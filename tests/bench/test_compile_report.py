@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The kernels compiled natively for sm_90 and sm_100 on a CPU machine (bench/compile_report.py), gated: no spills
-in any shipped config, every K/V tile load 128-bit, the DFlash2 decode shape at <= 136 registers x 4 warps
+"""The kernels compiled natively for sm_90 and sm_100 on a CPU machine (``ringkv bench compile-report``), gated:
+no spills in any shipped config, every K/V tile load 128-bit, the DFlash2 decode shape at <= 136 registers x 4 warps
 (>= 3 CTAs per SM), and one compiled attention kernel per shape for every batch size N = 1..256."""
 
 from __future__ import annotations
@@ -12,18 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
-
-from compile_report import DFLASH2, DFLASH2_MAX_REGS, ctas_per_sm, gate_failures  # noqa: E402
+from ringkv.bench.compile_report import DFLASH2, DFLASH2_MAX_REGS, ctas_per_sm, gate_failures
 
 
 def run_report(tmp_path: Path, *options: str) -> tuple[list[dict], dict, str]:
     # compiled kernels, not the interpreter tests/conftest.py chose for this process
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "compile_report.py"), "--out", str(tmp_path), *options],
+        [sys.executable, "-m", "ringkv.integration.cli", "bench", "compile-report", "--out", str(tmp_path), *options],
         capture_output=True, text=True, timeout=900, env=env,
     )  # fmt: skip
     rows = [json.loads(line) for line in (tmp_path / "compile_report.jsonl").read_text().splitlines()]

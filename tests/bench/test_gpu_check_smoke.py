@@ -11,13 +11,11 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 @pytest.mark.interpreter
 def test_gpu_check_smoke(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--smoke", "--out", str(tmp_path)],
+        [sys.executable, "-m", "ringkv.integration.cli", "bench", "gpu-check", "--smoke", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env={"TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -42,14 +40,12 @@ def test_vllm_unified_baseline_reads_the_same_ring(num_reqs, committed):
     """gpu_check's vLLM baseline, wired as on the GPU (block K/V written into the ring's slack, periodic logical
     rows), agrees with ring_attention in fp32 under the interpreter, so a GPU lease times the right thing."""
     import torch
+    from ringkv.bench import gpu_check
+    from ringkv.bench.vllm_unified import load_unified_attention
     from ringkv.kernels import ring_attention
 
-    sys.path.insert(0, str(REPO / "bench"))
-    import gpu_check
-    from vllm_unified import load_unified_attention
-
     unified = load_unified_attention(vllm_source())
-    shape = gpu_check.Shape(num_q_heads=4, num_kv_heads=1, head_dim=16, window=37, block_size=8)
+    shape = gpu_check.SMOKE_SHAPE
     args, _, _ = gpu_check.build_batch(shape, num_reqs, 8, committed, torch.float32, torch.device("cpu"))
     expected = ring_attention(**args)
     got = gpu_check.to_token_major(gpu_check.vllm_unified_call(unified, args, shape, 8, committed)(), num_reqs, 8)

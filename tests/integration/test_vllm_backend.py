@@ -20,6 +20,7 @@ from ringkv.integration.vllm import register
 from ringkv.integration.vllm.backend import RingKVBackend
 from ringkv.integration.vllm.kv_cache import RingSWASpec, to_ring_spec
 from ringkv.integration.vllm.planning import RingConfigError, check_ring_config
+from ringkv.kernels.shapes import DrafterShape
 
 from tests.testing import NAN, assert_attention_close
 
@@ -168,9 +169,9 @@ def test_vllm_attention_backend_env_selects_the_drafter_backend(monkeypatch):
     assert explicit.speculative_config["attention_backend"] == "FLASH_ATTN"
 
 
-SMALL = Deployment(pool_blocks=200, target_groups=1, target_block_size=64, drafter_window=64, drafter_block_size=16,
-                   num_speculative_tokens=7, max_model_len=4096, max_num_batched_tokens=256, num_kv_heads=2,
-                   head_size=32)  # fmt: skip
+SMALL = Deployment(pool_blocks=200, target_groups=1, target_block_size=64, max_model_len=4096,
+                   max_num_batched_tokens=256, drafter=DrafterShape(window=64, block_size=16, num_speculative_tokens=7,
+                                                                    num_kv_heads=2, head_dim=32))  # fmt: skip
 NUM_Q_HEADS = 8
 
 
@@ -194,22 +195,23 @@ def test_forward_and_kv_update_with_common_attention_metadata(causal, device):
     manager = SMALL.manager(ring=True)
     drafter = drafter_manager(manager)
     prompts = {"a": 300, "b": 37}
-    heads, dim, bs = SMALL.num_kv_heads, SMALL.head_size, SMALL.drafter_block_size
+    heads, dim, bs = SMALL.drafter.num_kv_heads, SMALL.drafter.head_dim, SMALL.drafter.block_size
     kv_cache = torch.full((SMALL.pool_blocks, heads, bs, 2 * dim), NAN).to(device)  # vLLM [B, H, N, 2D]
-    impl = RingKVBackend.get_impl_cls()(NUM_Q_HEADS, dim, dim**-0.5, heads, sliding_window=SMALL.drafter_window)
+    impl = RingKVBackend.get_impl_cls()(NUM_Q_HEADS, dim, dim**-0.5, heads, sliding_window=SMALL.drafter.window)
     history = {}
     for rid, length in prompts.items():
         request = make_request(rid, length)
         history[rid] = (torch.randn(length, heads, dim), torch.randn(length, heads, dim))
         for start in range(0, length, 128):
             end = min(start + 128, length)
-            assert manager.allocate_slots(request, end - start, num_lookahead_tokens=SMALL.lookahead) is not None
+            lookahead = SMALL.drafter.lookahead
+            assert manager.allocate_slots(request, end - start, num_lookahead_tokens=lookahead) is not None
             request.num_computed_tokens = end
             row = torch.tensor([b.block_id for b in drafter.req_to_blocks[rid]])
             slots = vllm_slot_mapping(row, torch.arange(start, end), bs)
             k, v = history[rid][0][start:end], history[rid][1][start:end]
             impl.do_kv_cache_update(None, k.to(device), v.to(device), kv_cache, slots.to(device))
-    block = SMALL.lookahead
+    block = SMALL.drafter.lookahead
     width = max(len(drafter.req_to_blocks[r]) for r in prompts)
     table = torch.zeros(len(prompts), width, dtype=torch.int32)
     for i, rid in enumerate(prompts):
@@ -233,7 +235,7 @@ def test_forward_and_kv_update_with_common_attention_metadata(causal, device):
     impl.forward(None, q.to(device), k_new.to(device), v_new.to(device), kv_cache, metadata, output)
     expected, expected_lo = dense_oracle_rows(
         q.view(tokens, NUM_Q_HEADS, dim), k_new, v_new, [history[r] for r in prompts], lengths, block,
-        SMALL.drafter_window, causal,
+        SMALL.drafter.window, causal,
     )  # fmt: skip
     got = output[:tokens].view(tokens, NUM_Q_HEADS, dim).cpu()
     assert_attention_close(got, expected, expected_lo, name="RingKVImpl.forward")

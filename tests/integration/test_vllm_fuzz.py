@@ -12,11 +12,13 @@ pytest.importorskip("vllm")
 
 from ringkv.integration.simulation.admission import Deployment, drafter_manager, make_request
 from ringkv.kernels.ring_geometry import cdiv
+from ringkv.kernels.shapes import DrafterShape
 
 pytestmark = pytest.mark.vllm
 
-SMALL = Deployment(pool_blocks=700, target_groups=2, target_block_size=64, drafter_window=200, drafter_block_size=8,
-                   num_speculative_tokens=3, max_model_len=60_000, max_num_batched_tokens=700)  # fmt: skip
+SMALL = Deployment(pool_blocks=700, target_groups=2, target_block_size=64, max_model_len=60_000,
+                   max_num_batched_tokens=700,
+                   drafter=DrafterShape(window=200, block_size=8, num_speculative_tokens=3))  # fmt: skip
 
 
 def held_by_group(manager, request_ids) -> int:
@@ -32,7 +34,7 @@ def held_by_group(manager, request_ids) -> int:
 
 def check_invariants(manager, live, needs, initial_free) -> None:
     drafter = drafter_manager(manager)
-    plan = SMALL.ring_plan
+    plan = SMALL.drafter.plan
     rings = {rid: [b.block_id for b in drafter.rings[rid]] for rid in live}
     all_ring_blocks = [b for blocks in rings.values() for b in blocks]
     assert len(all_ring_blocks) == len(set(all_ring_blocks)), "two requests share a ring block"
@@ -56,8 +58,8 @@ def fuzz(seed: int, actions: int) -> dict[str, int]:
     next_id = 0
 
     def allocate(rid, request, num_new, gate=False) -> bool:
-        need = min(request.num_computed_tokens + num_new + SMALL.lookahead, SMALL.max_model_len)
-        ok = manager.allocate_slots(request, num_new, num_lookahead_tokens=SMALL.lookahead,
+        need = min(request.num_computed_tokens + num_new + SMALL.drafter.lookahead, SMALL.max_model_len)
+        ok = manager.allocate_slots(request, num_new, num_lookahead_tokens=SMALL.drafter.lookahead,
                                     full_sequence_must_fit=gate) is not None  # fmt: skip
         if ok:
             needs[rid] = need
@@ -89,9 +91,9 @@ def fuzz(seed: int, actions: int) -> dict[str, int]:
                     counts["chunk"] += 1
                 else:
                     counts["stalled"] += 1
-            elif request.num_tokens + SMALL.lookahead + SMALL.num_speculative_tokens < SMALL.max_model_len:
-                if allocate(rid, request, 1 + SMALL.num_speculative_tokens):
-                    accepted = 1 + rng.randint(0, SMALL.num_speculative_tokens)
+            elif request.num_tokens + 2 * SMALL.drafter.lookahead - 1 < SMALL.max_model_len:
+                if allocate(rid, request, 1 + SMALL.drafter.num_speculative_tokens):
+                    accepted = 1 + rng.randint(0, SMALL.drafter.num_speculative_tokens)
                     request.num_computed_tokens += accepted
                     request.append_output_token_ids([1] * accepted)
                     counts["decode"] += 1

@@ -31,7 +31,7 @@ def test_stock_wedge_is_reproduced():
 
 def test_one_8192_chunk_makes_the_stock_drafter_hold_513_blocks():
     manager = ISSUE.manager(ring=False)
-    blocks = manager.allocate_slots(make_request("r", 15_000), 8192, num_lookahead_tokens=ISSUE.lookahead)
+    blocks = manager.allocate_slots(make_request("r", 15_000), 8192, num_lookahead_tokens=ISSUE.drafter.lookahead)
     assert [len(group) for group in blocks.blocks] == [4, 4, 4, 4, 4, 4, 513]
 
 
@@ -45,7 +45,7 @@ def test_262144_tokens_hold_exactly_r_blocks_from_admission_to_finish():
     result = run_request(ISSUE, ring=True, num_prompt_tokens=262_144 - 64 * 8, decode_steps=64, seed=7)
     assert result.failure is None and result.admitted
     assert len(result.steps) == 32 + 64
-    assert {step.drafter_blocks for step in result.steps} == {ISSUE.ring_plan.num_blocks} == {130}
+    assert {step.drafter_blocks for step in result.steps} == {ISSUE.drafter.plan.num_blocks} == {130}
     assert {step.kind for step in result.steps} == {"prefill", "decode"}
     assert result.free_after == result.free_before == ISSUE.pool_blocks - 1
 
@@ -72,7 +72,7 @@ def test_concurrent_256k_requests_in_a_fixed_pool():
 
 def _prefill(manager, request, chunks: int, chunk: int = 8192) -> None:
     for _ in range(chunks):
-        assert manager.allocate_slots(request, chunk, num_lookahead_tokens=ISSUE.lookahead) is not None
+        assert manager.allocate_slots(request, chunk, num_lookahead_tokens=ISSUE.drafter.lookahead) is not None
         request.num_computed_tokens += chunk
 
 
@@ -124,7 +124,7 @@ def test_first_live_block_keeps_every_window_a_step_can_end_with():
 def test_long_chunk_nulls_dead_blocks_and_maps_live_ones_to_the_ring():
     manager = ISSUE.manager(ring=True)
     request = make_request("c", 20_000)
-    manager.allocate_slots(request, 8192, num_lookahead_tokens=ISSUE.lookahead)
+    manager.allocate_slots(request, 8192, num_lookahead_tokens=ISSUE.drafter.lookahead)
     drafter = drafter_manager(manager)
     row, ring = drafter.req_to_blocks["c"], drafter.rings["c"]
     assert len(row) == 513
@@ -145,7 +145,7 @@ def test_chunk_writes_are_race_free_after_last_writer():
     raw_collisions = 0
     for chunk in (5000, 8191, 8192, 3, 8192, 8192):
         start = request.num_computed_tokens
-        manager.allocate_slots(request, chunk, num_lookahead_tokens=ISSUE.lookahead)
+        manager.allocate_slots(request, chunk, num_lookahead_tokens=ISSUE.drafter.lookahead)
         request.num_computed_tokens += chunk
         end = request.num_computed_tokens
         row = torch.tensor([b.block_id for b in drafter.req_to_blocks["w"]])
@@ -169,10 +169,10 @@ def test_an_allocation_beyond_the_planned_lookahead_is_refused():
 
     manager = ISSUE.manager(ring=True)
     request = make_request("la", 5000)
-    assert manager.allocate_slots(request, 4096, num_lookahead_tokens=ISSUE.lookahead) is not None
+    assert manager.allocate_slots(request, 4096, num_lookahead_tokens=ISSUE.drafter.lookahead) is not None
     request.num_computed_tokens += 4096
     with pytest.raises(RingConfigError, match="planned for 8"):
-        manager.allocate_slots(request, 8, num_lookahead_tokens=ISSUE.lookahead + 1)
+        manager.allocate_slots(request, 8, num_lookahead_tokens=ISSUE.drafter.lookahead + 1)
 
 
 def test_an_unplanned_ring_spec_never_reaches_a_manager():
