@@ -13,8 +13,8 @@
    the keys each row sees) beside FlexAttention;
 3. the drafter-level smoke (``ringkv smoke``) at 262,144 positions, natively.
 
-Usage: ``bash bench/on_gpu.sh --out $OUT`` on the GPU (``ringkv bench gpu-check`` where installed); ``--smoke`` runs a tiny CPU/interpreter
-version of every step (what CI runs to keep this script working).
+Usage: ``bash bench/on_gpu.sh --out $OUT`` on the GPU (``ringkv bench gpu-check`` where installed); ``--smoke``
+runs a tiny CPU/interpreter version of every step (what CI runs to keep this script working).
 """
 
 from __future__ import annotations
