@@ -126,11 +126,14 @@ def global_loads(cubin: bytes) -> list[tuple[str, str, int]]:
 
 
 def kv_tile_lines() -> tuple[str, range]:
-    """Source file and lines of ``_tiles.load_kv_tile``: the K/V tile loads of every attention kernel."""
+    """Source file (``kernels/_tiles.py``: the path's last two parts) and lines of ``_tiles.load_kv_tile``, the K/V
+    tile loads of every attention kernel. Only the tail is compared: Triton's cache is keyed by source, not path,
+    so a cubin compiled from another checkout of the same source carries that checkout's path in its line info."""
     from ringkv.kernels import _tiles
 
     lines, first = inspect.getsourcelines(_tiles.load_kv_tile.fn)
-    return str(Path(inspect.getsourcefile(_tiles.load_kv_tile.fn)).resolve()), range(first, first + len(lines))
+    tail = Path(inspect.getsourcefile(_tiles.load_kv_tile.fn)).parts[-2:]
+    return str(Path(*tail)), range(first, first + len(lines))
 
 
 def mma_kind(ttgir: str) -> str:
@@ -213,7 +216,8 @@ class NativeLaunches:
         kv = None
         if self.kv_lines is not None:
             path, lines = self.kv_lines
-            kv = dict(Counter(op for op, file, line in loads if Path(file).resolve() == Path(path) and line in lines))
+            kv = dict(Counter(op for op, file, line in loads if Path(*Path(file).parts[-2:]) == Path(path)
+                              and line in lines))  # fmt: skip
         smem = usage["SHARED"] + compiled.metadata.shared
         return Compiled(
             kernel=name, arch=self.arch, key=key, num_warps=options.num_warps, num_stages=options.num_stages,
