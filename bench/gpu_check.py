@@ -2,7 +2,7 @@
 """The prepared GPU check (one H200 run, <= 8 minutes): correctness first, then timings, JSON to $OUT.
 
 1. the kernel test-suite natively on the GPU (``pytest tests/kernels -m interpreter``), then bf16 cases on
-   the DFlash2 shape against the fp64 reference, each repeated 10x and required bitwise equal;
+   the DFlash2 shape against the fp64 dense oracle, each repeated 10x and required bitwise equal;
 2. ``ring_attention`` on the named shapes (DFlash2 32 q / 8 kv / hd 128; 16 / 2 / 256; 64 / 8 / 128; W 2048),
    B 8 and 16, N = 1/8/64/256 requests: ``triton.testing.do_bench`` medians with p20/p80, GB/s and % of
    4.3 TB/s; cold L2 by rotating over >= 6 x 50 MB of distinct ring sets; CUDA-graph replay for N <= 8;
@@ -87,10 +87,11 @@ def build_batch(shape: DrafterShape, num_reqs: int, block: int, committed: int, 
 def dense_mask(ctx_len: int, block: int, window: int, device):
     """[B, ctx_len + B] visibility of the linearized window (non-causal drafter layer)."""
     import torch
+    from ringkv.kernels.ring_geometry import visible
 
     q_lin = ctx_len + torch.arange(block, device=device)[:, None]
     k_lin = torch.arange(ctx_len + block, device=device)[None, :]
-    return (q_lin - k_lin < window) & (k_lin - q_lin < window)
+    return visible(q_lin, k_lin, window, causal=False)
 
 
 def make_baselines(dense, ctx_len: int, block: int, window: int, device, compile_flex: bool):
@@ -173,13 +174,24 @@ def time_fn(fn, smoke: bool) -> tuple[float, float, float]:
     return p50 * 1e3, p20 * 1e3, p80 * 1e3
 
 
-def gate(out, args) -> dict:
+def gate(out, dense, committed: int, window: int) -> dict:
+    """The tolerance rule for ``out`` ([N*B, Hq, D]) against the dense oracle on the same K/V (``build_batch``'s
+    ``[N, H, L, D]`` tensors, non-causal, at positions ``committed - ctx_len .. committed + B - 1``): fp64, and the
+    batch's own dtype."""
     import torch
-    from ringkv.kernels import ring_attention_reference
+    from ringkv.kernels.oracle import attention_by_position
     from ringkv.kernels.tolerance import attention_error
 
-    ref_hi = ring_attention_reference(**args, compute_dtype=torch.float64)
-    ref_lo = ring_attention_reference(**args, compute_dtype=args["q"].dtype)
+    q, k, v = dense
+    num_reqs, block = q.shape[0], q.shape[2]
+    q_pos = committed + torch.arange(block, device=q.device)
+    k_pos = torch.arange(committed + block - k.shape[2], committed + block, device=q.device)
+    ref_hi, ref_lo = (
+        torch.cat([attention_by_position(q[r].transpose(0, 1), q_pos, k[r].transpose(0, 1), v[r].transpose(0, 1),
+                                         k_pos, window=window, causal=False, compute_dtype=dtype)
+                   for r in range(num_reqs)])
+        for dtype in (torch.float64, q.dtype)
+    )  # fmt: skip
     report = attention_error(out, ref_hi, ref_lo)
     return {"max_error": report.max_error, "bound": report.bound, "ok": report.ok}
 
@@ -207,11 +219,11 @@ def bf16_cases(shape: DrafterShape, device, smoke: bool) -> list[dict]:
     if smoke:
         cases = cases[-1:]
     for num_reqs, block, committed, splits in cases:
-        args, _, _ = build_batch(shape, num_reqs, block, committed, torch.bfloat16, device, seed=committed)
+        args, dense, _ = build_batch(shape, num_reqs, block, committed, torch.bfloat16, device, seed=committed)
         first = ring_attention(**args, num_splits=splits)
         repeats_equal = all(torch.equal(first, ring_attention(**args, num_splits=splits)) for _ in range(10))
         rows.append({"num_reqs": num_reqs, "block": block, "committed": committed, "num_splits": splits,
-                     "bitwise_repeats": repeats_equal, **gate(first, args)})  # fmt: skip
+                     "bitwise_repeats": repeats_equal, **gate(first, dense, committed, shape.window)})  # fmt: skip
     return rows
 
 
@@ -276,7 +288,7 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, un
             outs = [torch.empty_like(b[0]["q"]) for b in batches]
             calls = [lambda a=b[0], o=o: ring_attention(**a, out=o) for b, o in zip(batches, outs, strict=True)]
             calls[0]()
-            check = gate(outs[0], args)
+            check = gate(outs[0], dense, committed, shape.window)
             kv_bytes = 2 * num_reqs * (ctx_len + block) * shape.num_kv_heads * shape.head_dim * dtype.itemsize
             qo_bytes = 2 * num_reqs * block * shape.num_q_heads * shape.head_dim * dtype.itemsize
             base = {"shape": shape_name, "block": block, "num_reqs": num_reqs, "committed": committed,
@@ -324,11 +336,11 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, un
 def prefill_rows(device, smoke: bool, budget_s: float) -> list[dict]:
     """``ring_prefill_attention`` on the DFlash2 shape, causal W 2048: one chunk of C tokens after 8192 tokens of
     history in the ring, beside FlexAttention on the linearized [history, chunk]. TFLOP/s counts the keys each
-    row really sees (``2 * Hq * sum(visible keys) * (D + Dv)``). Gate: the reference on C = 512; SDPA in fp32 on
-    query slices for longer chunks."""
+    row really sees (``2 * Hq * sum(visible keys) * (D + Dv)``). Gate: the dense oracle (fp64 and bf16) over slices
+    of 512 queries."""
     import torch
-    import torch.nn.functional as F
     from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_prefill_attention, ring_write
+    from ringkv.kernels.oracle import attention_by_position
     from ringkv.kernels.ring_geometry import visible
     from ringkv.kernels.tolerance import attention_error
 
@@ -367,17 +379,17 @@ def prefill_rows(device, smoke: bool, budget_s: float) -> list[dict]:
         ringkv_call()
         q_pos = committed + torch.arange(chunk, device=device)
         k_pos = torch.cat([history, q_pos])
-        keys = torch.cat([k_hist, k_new]).transpose(0, 1)[None]
-        values = torch.cat([v_hist, v_new]).transpose(0, 1)[None]
-        # exact reference: fp64 / same-dtype SDPA over slices of 512 queries with the absolute-position mask
-        ref = {torch.float64: [], dtype: []}
-        for lo in range(0, chunk, 512):
-            mask = visible(q_pos[lo : lo + 512, None], k_pos[None, :], window, True)
-            for ref_dtype in ref:
-                ref[ref_dtype].append(F.scaled_dot_product_attention(
-                    q[lo : lo + 512].transpose(0, 1)[None].to(ref_dtype), keys.to(ref_dtype), values.to(ref_dtype),
-                    attn_mask=mask[None, None], enable_gqa=True)[0].transpose(0, 1))  # fmt: skip
-        report = attention_error(out, torch.cat(ref[torch.float64]), torch.cat(ref[dtype]))
+        # [L, Hkv, D]: the history, then the chunk
+        k_all, v_all = torch.cat([k_hist, k_new]), torch.cat([v_hist, v_new])
+        # the dense oracle, fp64 and same-dtype, over slices of 512 queries
+        ref_hi, ref_lo = (
+            torch.cat([attention_by_position(q[lo : lo + 512], q_pos[lo : lo + 512], k_all, v_all, k_pos,
+                                             window=window, causal=True, compute_dtype=ref_dtype)
+                       for lo in range(0, chunk, 512)])
+            for ref_dtype in (torch.float64, dtype)
+        )  # fmt: skip
+        report = attention_error(out, ref_hi, ref_lo)
+        keys, values = k_all.transpose(0, 1)[None], v_all.transpose(0, 1)[None]
         visible_keys = visible(q_pos[:, None], k_pos[None, :], window, True).sum().item()
         flops = 2 * shape.num_q_heads * visible_keys * 2 * shape.head_dim
         base = {"op": "prefill", "chunk": chunk, "committed": committed, "visible_keys": visible_keys,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ring_geometry import cdiv, ring_blocks_needed
+from .ring_geometry import UNBOUNDED_WINDOW, cdiv, ring_blocks_needed
 from .varlen import MAX_QUERY_LEN as MAX_QUERY_LEN  # the draft-block limit, imported from here by integration
 from .varlen import BatchMode, VarlenBatch
 
@@ -142,8 +142,11 @@ def validate_attention_inputs(
     check_cache_pair(k_cache, v_cache, num_kv_heads, head_dim, head_dim_v)
     check_same_device({"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache,
                        **batch.tensors()})  # fmt: skip
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window={window!r} must be an int >= 1 (keys a query sees, itself included)")
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= UNBOUNDED_WINDOW:
+        raise ValueError(
+            f"window={window!r} must be an int in 1..{UNBOUNDED_WINDOW} (keys a query sees, itself included); "
+            "pass UNBOUNDED_WINDOW for full attention"
+        )
     scale = head_dim**-0.5 if scale is None else float(scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale={scale} must be a finite positive number (default head_dim ** -0.5)")

@@ -2,7 +2,8 @@
 """Executable spec of the ring kernels: windowed attention of a varlen batch over the ring, and the ring write.
 
 Same arguments as the Triton launchers (``ring_attention`` / ``ring_prefill_attention``, ``ring_write``);
-loops over requests, resolves every key through ``ring_geometry``, computes in fp32 (or fp64). CPU-friendly,
+loops over requests, resolves every key through ``ring_geometry``, then attends with the dense oracle's
+masked softmax (``oracle.attention_by_position``, the formula's one home) in fp32 (or fp64). CPU-friendly,
 not fast.
 """
 
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .ring_geometry import first_visible_position, table_slot_mapping, visible
+from .oracle import attention_by_position
+from .ring_geometry import first_visible_position, table_slot_mapping
 from .varlen import VarlenBatch
 
 
@@ -18,22 +20,6 @@ def gather_ring(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rows of a ``[num_blocks, bs, H, D]`` cache view at flat ``slots`` ([n]) -> ``[n, H, D]``."""
     block_size = cache.shape[1]
     return cache[torch.div(slots, block_size, rounding_mode="floor"), torch.remainder(slots, block_size)]
-
-
-def masked_softmax_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """``q [B, Hq, D]``, ``k/v [L, Hkv, D]``, ``mask [B, L]`` -> ``[B, Hq, Dv]``; an empty row gives 0."""
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    # scores: [Hq, B, L]
-    scores = torch.einsum("bhd,lhd->hbl", q, k) * scale
-    scores = scores.masked_fill(~mask[None], float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
-    weights = torch.where(mask[None], weights, torch.zeros_like(weights))
-    weights = torch.nan_to_num(weights, nan=0.0)
-    return torch.einsum("hbl,lhd->bhd", weights, v)
 
 
 def ring_attention_reference(
@@ -62,13 +48,12 @@ def ring_attention_reference(
         k_cache: [num_blocks, bs, Hkv, D]; v_cache: [num_blocks, bs, Hkv, Dv] (any strides).
         batch: the ``VarlenBatch`` the kernels take (either mode).
         window: W. causal: causality among the batch's own keys. scale: default ``D ** -0.5``.
-        compute_dtype: float32 or float64.
+        compute_dtype: float64, float32, or the kernel's own dtype (``ref_lo`` of the tolerance rule).
         _launch_options: kernel-only options (``out``, ``num_splits``, ...), ignored here.
 
     Returns:
         [T, Hq, Dv] in ``q.dtype``.
     """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = torch.zeros(q.shape[0], q.shape[1], v_new.shape[-1], dtype=q.dtype, device=q.device)
     block_size = k_cache.shape[1]
     starts = batch.query_start_loc.tolist()
@@ -83,11 +68,13 @@ def ring_attention_reference(
             ctx_pos, batch.block_table[request], block_size=block_size, window=window, period=batch.period
         )
         query_pos = torch.arange(context_len, seq_len, device=q.device)
-        keys = torch.cat([gather_ring(k_cache, slots), k_new[begin:end]]).to(compute_dtype)
-        values = torch.cat([gather_ring(v_cache, slots), v_new[begin:end]]).to(compute_dtype)
-        key_pos = torch.cat([ctx_pos, query_pos])
-        mask = visible(query_pos[:, None], key_pos[None, :], window, causal)
-        out[begin:end] = masked_softmax_attention(q[begin:end].to(compute_dtype), keys, values, mask, scale).to(q.dtype)
+        out[begin:end] = attention_by_position(
+            q[begin:end], query_pos,
+            torch.cat([gather_ring(k_cache, slots), k_new[begin:end]]),
+            torch.cat([gather_ring(v_cache, slots), v_new[begin:end]]),
+            torch.cat([ctx_pos, query_pos]),
+            window=window, causal=causal, scale=scale, compute_dtype=compute_dtype,
+        ).to(q.dtype)  # fmt: skip
     return out
 
 

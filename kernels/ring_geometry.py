@@ -34,9 +34,13 @@ from dataclasses import dataclass
 import torch
 
 PAD_SLOT = -1
-# positions are int32 inside the kernels: the largest absolute position a request may reach (exclusive)
-MAX_POSITION = 1 << 31
-# the window of a full-attention layer served by the ring kernels: one no sequence reaches
+# Positions are int32 inside the kernels, and a tile of keys or query rows may reach past a request's last
+# position by less than POSITION_HEADROOM (configs keeps every tile within it), so no int32 position overflows:
+# every absolute position is < MAX_POSITION (checked before launch through varlen.MAX_SEQ_LEN).
+POSITION_HEADROOM = 1 << 12
+MAX_POSITION = (1 << 31) - POSITION_HEADROOM
+# The window of a full-attention layer served by the ring kernels, and the largest window they take (a window
+# >= MAX_POSITION already sees every position).
 UNBOUNDED_WINDOW = 1 << 40
 
 

@@ -101,12 +101,13 @@ def _ring_prefill_kernel(
         D, DV, BLOCK_D, BLOCK_DV, BS, TILE_N, UPCAST, FP32_IEEE,
     )  # fmt: skip
 
-    # source 2: the chunk's own keys, from the lowest any row of this tile sees to the highest
+    # source 2: the chunk's own keys, from the lowest any row of this tile sees to the highest (non-causal:
+    # min(P + q_len, P + q_last + W), summed so that no term passes int32 for any window up to 2^31 - 1)
     new_lo = tl.maximum(context_len + q0 - (window - 1), context_len)
     if CAUSAL:
         new_hi = context_len + q_last + 1
     else:
-        new_hi = tl.minimum(context_len + q_len, context_len + q_last + window)
+        new_hi = context_len + q_last + tl.minimum(q_len - q_last, window)
     m_i, l_i, acc = attend_rows_range(
         m_i, l_i, acc, b_q, q_pos, new_lo, new_hi, k_ptr + i_h * stride_k_h, v_ptr + i_h * stride_v_h,
         bos + (new_lo - context_len).to(tl.int64), stride_k_t, stride_v_t, o_d, o_dv, qk_scale, window,

@@ -25,8 +25,8 @@ from .ring_geometry import MAX_POSITION
 INDEX_DTYPES = (torch.int32, torch.int64)
 # most queries per request in a draft block (rows one ring_attention program set holds)
 MAX_QUERY_LEN = 64
-# positions are int32 inside the kernels: the last one is MAX_POSITION - 1
-MAX_SEQ_LEN = MAX_POSITION - 1
+# a request's positions 0 .. seq_len - 1 stay below MAX_POSITION (ring_geometry: int32 positions plus a tile)
+MAX_SEQ_LEN = MAX_POSITION
 
 
 class BatchMode(enum.Enum):
@@ -98,7 +98,9 @@ class VarlenBatch:
                        "a draft block; use BatchMode.PREFILL_CHUNK (ring_prefill_attention) for chunks")  # fmt: skip
         else:
             _check_int("max_query_len", self.max_query_len, 1, MAX_SEQ_LEN, "the longest chunk")
-        _check_int("max_seq_len", self.max_seq_len, 0, MAX_SEQ_LEN, "the longest seq_len (context + queries)")
+        _check_int("max_seq_len", self.max_seq_len, 0, MAX_SEQ_LEN,
+                   "the longest seq_len (context + queries); positions stay below ring_geometry.MAX_POSITION "
+                   "(int32 in the kernels, plus a tile)")  # fmt: skip
         width = self.block_table.shape[1]
         if self.table_period is not None:
             _check_int("table_period", self.table_period, 1, max(width, 1), f"R columns of a block_table {width} wide")

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Shared test helpers: ring cases with NaN-poisoned pools, the dense-mask oracle, the tolerance rule."""
+"""Shared test helpers: ring cases with NaN-poisoned pools, the dense oracle's reference pair, the tolerance rule."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import hashlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from ringkv.kernels.attention_inputs import KV_STRIDE_ELEMENTS
+from ringkv.kernels.oracle import dense_history_attention
 from ringkv.kernels.reference import ring_attention_reference, ring_write_reference
-from ringkv.kernels.ring_geometry import RingPlan, cdiv, first_visible_position, visible
+from ringkv.kernels.ring_geometry import RingPlan, cdiv, first_visible_position
 from ringkv.kernels.tolerance import attention_error
 from ringkv.kernels.varlen import BatchMode, VarlenBatch
 
@@ -154,55 +154,29 @@ def make_ring_case(
     )  # fmt: skip
 
 
-def dense_oracle(case: RingCase, compute_dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """Independent oracle: SDPA with a boolean absolute-position mask over the linearized history."""
-    out = torch.zeros(case.q.shape[0], case.q.shape[1], case.v_new.shape[-1], dtype=compute_dtype)
-    starts = case.query_start_loc.tolist()
-    for r, (first, k_hist, v_hist) in enumerate(case.history):
-        begin, end = starts[r], starts[r + 1]
-        context_len = case.context_lens[r]
-        q_pos = torch.arange(context_len, context_len + end - begin)
-        k_pos = torch.arange(first, context_len + end - begin)
-        keys = torch.cat([k_hist, case.k_new[begin:end]]).to(compute_dtype)
-        values = torch.cat([v_hist, case.v_new[begin:end]]).to(compute_dtype)
-        mask = visible(q_pos[:, None], k_pos[None, :], case.window, case.causal)
-        # SDPA layout [1, H, L, D]
-        attended = F.scaled_dot_product_attention(
-            case.q[begin:end].to(compute_dtype).transpose(0, 1)[None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            attn_mask=mask[None, None],
-            enable_gqa=True,
-        )[0].transpose(0, 1)
-        out[begin:end] = attended
-    return out
-
-
-def dense_oracle_rows(
+def oracle_pair(
     q: torch.Tensor,
     k_new: torch.Tensor,
     v_new: torch.Tensor,
-    histories: list[tuple[torch.Tensor, torch.Tensor]],
-    context_lens: list[int],
-    block: int,
+    histories: list[tuple[int, torch.Tensor, torch.Tensor]],
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
     window: int,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp64, fp32) SDPA over full histories (positions 0..P-1) plus equal-sized draft blocks of ``block``."""
-    outs = []
-    for dtype in (torch.float64, torch.float32):
-        out = torch.zeros(q.shape[0], q.shape[1], v_new.shape[-1], dtype=dtype)
-        for r, ((k_hist, v_hist), p) in enumerate(zip(histories, context_lens, strict=True)):
-            rows = slice(r * block, (r + 1) * block)
-            q_pos, k_pos = torch.arange(p, p + block), torch.arange(0, p + block)
-            keys = torch.cat([k_hist[:p], k_new[rows]]).to(dtype).transpose(0, 1)[None]
-            values = torch.cat([v_hist[:p], v_new[rows]]).to(dtype).transpose(0, 1)[None]
-            mask = visible(q_pos[:, None], k_pos[None, :], window, causal)
-            out[rows] = F.scaled_dot_product_attention(
-                q[rows].to(dtype).transpose(0, 1)[None], keys, values, attn_mask=mask[None, None], enable_gqa=True
-            )[0].transpose(0, 1)
-        outs.append(out)
-    return outs[0], outs[1]
+    """(ref_hi, ref_lo) of the tolerance rule from the dense oracle (``dense_history_attention``): fp64, and the
+    batch's own dtype."""
+    args = (q, k_new, v_new, histories, query_start_loc, seq_lens)
+    ref_hi = dense_history_attention(*args, window=window, causal=causal, compute_dtype=torch.float64)
+    ref_lo = dense_history_attention(*args, window=window, causal=causal, compute_dtype=q.dtype)
+    return ref_hi, ref_lo
+
+
+def case_oracle_pair(case: RingCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """``oracle_pair`` of a case: its dense history, not its ring."""
+    return oracle_pair(case.q, case.k_new, case.v_new, case.history, case.query_start_loc, case.seq_lens,
+                       window=case.window, causal=case.causal)  # fmt: skip
 
 
 def reference_pair(case: RingCase) -> tuple[torch.Tensor, torch.Tensor]:

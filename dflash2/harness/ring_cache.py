@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from ringkv.dflash2.config import DFlashConfig, LayerAttention
 from ringkv.kernels import (
     BatchMode,
@@ -19,24 +18,8 @@ from ringkv.kernels import (
     ring_write,
     ring_write_reference,
 )
-from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, RingPlan, visible
-
-
-def full_history_attention(
-    q: torch.Tensor, k_hist: torch.Tensor, v_hist: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-    committed: int, window: int, causal: bool, scale: float,
-) -> torch.Tensor:  # fmt: skip
-    """One block over the linear history ``[0, committed)`` plus itself, masked by absolute position (SDPA)."""
-    block = q.shape[0]
-    q_pos = torch.arange(committed, committed + block, device=q.device)
-    k_pos = torch.arange(0, committed + block, device=q.device)
-    mask = visible(q_pos[:, None], k_pos[None, :], window, causal)
-    keys = torch.cat([k_hist[:committed], k_new]).float().transpose(0, 1)[None]
-    values = torch.cat([v_hist[:committed], v_new]).float().transpose(0, 1)[None]
-    out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1)[None], keys, values, attn_mask=mask[None, None], scale=scale, enable_gqa=True
-    )
-    return out[0].transpose(0, 1).to(q.dtype)
+from ringkv.kernels.oracle import dense_history_attention
+from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, RingPlan
 
 
 class DraftKVCache:
@@ -125,15 +108,16 @@ class DraftKVCache:
         window = spec.window or UNBOUNDED_WINDOW
         plan, ring = self.plans[layer], self.rings[layer]
         k_store, v_store = self.storage[layer]
-        if plan is None:
-            return torch.cat([
-                full_history_attention(q[r * block:(r + 1) * block], k_store[request], v_store[request],
-                                       k_new[r * block:(r + 1) * block], v_new[r * block:(r + 1) * block],
-                                       p, window, spec.causal, self.scale)
-                for r, (request, p) in enumerate(zip(requests, committed, strict=True))
-            ])  # fmt: skip
         starts = torch.arange(0, block * len(committed) + 1, block, dtype=torch.int32, device=self.device)
         seq_lens = torch.tensor([p + block for p in committed], dtype=torch.int32, device=self.device)
+        if plan is None:
+            # the dense oracle over every kept position, in the cache's precision (at least fp32)
+            histories = [(0, k_store[request], v_store[request]) for request in requests]
+            return dense_history_attention(
+                q, k_new, v_new, histories, starts, seq_lens,
+                window=window, causal=spec.causal, scale=self.scale,
+                compute_dtype=torch.promote_types(self.dtype, torch.float32),
+            ).to(q.dtype)  # fmt: skip
         rows = ring[torch.tensor(list(requests), device=self.device)]
         batch = VarlenBatch(starts, seq_lens, rows, max_query_len=block, max_seq_len=max(committed) + block,
                             table_period=plan.num_blocks, mode=BatchMode.DRAFT_BLOCK)  # fmt: skip

@@ -188,7 +188,7 @@ def test_forward_and_kv_update_with_common_attention_metadata(causal, device):
     then one draft block each through forward, against an SDPA oracle over the dense history."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    from tests.testing import dense_oracle_rows
+    from tests.testing import oracle_pair
 
     register()
     torch.manual_seed(0)
@@ -233,9 +233,9 @@ def test_forward_and_kv_update_with_common_attention_metadata(causal, device):
     k_new, v_new = torch.randn(tokens, heads, dim), torch.randn(tokens, heads, dim)
     output = torch.full((tokens + 3, NUM_Q_HEADS * dim), NAN, device=device)
     impl.forward(None, q.to(device), k_new.to(device), v_new.to(device), kv_cache, metadata, output)
-    expected, expected_lo = dense_oracle_rows(
-        q.view(tokens, NUM_Q_HEADS, dim), k_new, v_new, [history[r] for r in prompts], lengths, block,
-        SMALL.drafter.window, causal,
+    expected, expected_lo = oracle_pair(
+        q.view(tokens, NUM_Q_HEADS, dim), k_new, v_new, [(0, *history[r]) for r in prompts], query_start_loc,
+        seq_lens, window=SMALL.drafter.window, causal=causal,
     )  # fmt: skip
     got = output[:tokens].view(tokens, NUM_Q_HEADS, dim).cpu()
     assert_attention_close(got, expected, expected_lo, name="RingKVImpl.forward")

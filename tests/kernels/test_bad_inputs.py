@@ -8,6 +8,8 @@ import re
 import pytest
 import torch
 from ringkv.kernels import BatchMode, VarlenBatch, ring_attention, ring_prefill_attention, ring_write
+from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW
+from ringkv.kernels.varlen import MAX_SEQ_LEN
 
 from tests.testing import NAN, aligned_cache, make_ring_case
 
@@ -39,7 +41,10 @@ BAD_ATTENTION = [
     ("B-beyond-ring", lambda a: _replace(a, batch=_batch(a, table_period=2)), "it needs R >= 7"),
     ("table-too-short-full-rows", lambda a: _replace(a, batch=_batch(
         a, table_period=None, block_table=a["batch"].block_table[:, :3])), "too short for max_seq_len=48"),
-    ("window-0", lambda a: _replace(a, window=0), "window=0 must be an int >= 1"),
+    ("window-0", lambda a: _replace(a, window=0), "window=0 must be an int in 1..1099511627776"),
+    ("window-past-unbounded", lambda a: _replace(a, window=UNBOUNDED_WINDOW + 1),
+     "window=1099511627777 must be an int in 1..1099511627776 (keys a query sees, itself included); pass "
+     "UNBOUNDED_WINDOW for full attention"),
     ("scale-nan", lambda a: _replace(a, scale=float("nan")), "scale=nan must be a finite positive"),
     ("out-shape", lambda a: _replace(a, out=torch.zeros(3, 4, 16)), "out is (3, 4, 16)"),
     ("device-meta", lambda a: _replace(a, batch=_batch(a, seq_lens=a["batch"].seq_lens.to("meta"))),
@@ -76,6 +81,8 @@ BAD_BATCH = [
     ("max_query_len-0", {"max_query_len": 0}, "max_query_len=0 must be an int in 1..64"),
     ("max_query_len-float", {"max_query_len": 8.0}, "max_query_len=8.0 must be an int"),
     ("max_seq_len-negative", {"max_seq_len": -1}, "max_seq_len=-1 must be an int in 0.."),
+    ("max_seq_len-past-int32-positions", {"max_seq_len": MAX_SEQ_LEN + 1},
+     f"max_seq_len={MAX_SEQ_LEN + 1} must be an int in 0..{MAX_SEQ_LEN}; the longest seq_len"),
     ("table_period-wider-than-table", {"table_period": 8}, "table_period=8 must be an int in 1..7"),
 ]  # fmt: skip
 
@@ -165,7 +172,7 @@ def test_ring_prefill_attention_rejects_bad_inputs(case):
     args = prefill.kernel_args()
     with pytest.raises(ValueError, match=r"k_new has dtype torch\.float16"):
         ring_prefill_attention(**{**args, "k_new": prefill.k_new.half()})
-    with pytest.raises(ValueError, match="window=0 must be an int >= 1"):
+    with pytest.raises(ValueError, match=re.escape("window=0 must be an int in 1..")):
         ring_prefill_attention(**{**args, "window": 0})
     with pytest.raises(ValueError, match=re.escape("this launcher takes BatchMode.PREFILL_CHUNK")):
         ring_prefill_attention(**case.kernel_args())

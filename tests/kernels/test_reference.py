@@ -1,13 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The reference against an independent oracle: SDPA with a dense absolute-position mask."""
+"""The reference (ring gather) against the dense oracle (history by absolute position), and the oracle's
+masked-softmax core against torch's SDPA."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from ringkv.kernels import ring_attention_reference
+from ringkv.kernels.oracle import attention_by_position, masked_softmax_attention
 
-from tests.testing import dense_oracle, make_ring_case, stable_seed
+from tests.testing import case_oracle_pair, make_ring_case, stable_seed
 
 # (requests, W, bs, Hq, Hkv, D, causal, full_rows)
 CASES = [
@@ -27,18 +30,36 @@ def test_reference_matches_dense_oracle(requests, window, bs, hq, hkv, d, causal
         full_rows=full_rows, seed=stable_seed(requests, window, causal),
     )  # fmt: skip
     ref = ring_attention_reference(**case.kernel_args(), compute_dtype=torch.float64)
-    oracle = dense_oracle(case)
-    torch.testing.assert_close(ref.double(), oracle, atol=1e-6, rtol=1e-6)
+    oracle, _ = case_oracle_pair(case)
+    torch.testing.assert_close(ref, oracle.to(ref.dtype), atol=0, rtol=0)
 
 
-def test_reference_row_without_keys_is_zero():
+def test_masked_softmax_matches_sdpa():
+    """The one formula, against torch's own attention (GQA 3, a causal-and-window mask with no empty row)."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*shape, generator=generator, dtype=torch.float64) for shape in
+               ((7, 6, 16), (20, 2, 16), (20, 2, 12)))  # fmt: skip
+    mask = torch.ones(7, 20, dtype=torch.bool).tril(13) & torch.ones(7, 20, dtype=torch.bool).triu(2)
+    ours = masked_softmax_attention(q, k, v, mask, 0.3)
+    sdpa = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                          attn_mask=mask, scale=0.3, enable_gqa=True).transpose(0, 1)  # fmt: skip
+    torch.testing.assert_close(ours, sdpa, atol=1e-12, rtol=0)
+
+
+def test_row_without_keys_is_zero():
     """A query that sees nothing (impossible for a drafter, defined anyway) outputs 0, not NaN."""
-    from ringkv.kernels.reference import masked_softmax_attention
-
     q = torch.randn(2, 2, 8)
     k = torch.randn(3, 1, 8)
     v = torch.randn(3, 1, 8)
     mask = torch.tensor([[False, False, False], [True, False, True]])
     out = masked_softmax_attention(q, k, v, mask, 0.5)
     assert torch.equal(out[0], torch.zeros(2, 8))
+
+
+def test_unseen_keys_may_hold_nan():
+    """Keys no query sees never reach the arithmetic: NaN there leaves the output finite."""
+    k = torch.randn(6, 1, 8, dtype=torch.float64)
+    k[:2] = float("nan")
+    out = attention_by_position(torch.randn(1, 2, 8, dtype=torch.float64), torch.tensor([5]), k, k.clone(),
+                                torch.arange(6), window=4, causal=True)  # fmt: skip
     assert torch.isfinite(out).all()

@@ -11,7 +11,7 @@ import torch
 from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, ring_prefill_attention
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW
 
-from tests.testing import NAN, assert_attention_close, dense_oracle_rows, make_ring_case, reference_pair, stable_seed
+from tests.testing import NAN, assert_attention_close, make_ring_case, oracle_pair, reference_pair, stable_seed
 
 pytestmark = pytest.mark.interpreter
 
@@ -74,8 +74,8 @@ def test_chunks_through_the_ring_then_decode_match_full_history(causal, device):
         )  # fmt: skip
         for r in range(2):
             rows_r = slice(int(starts[r]), int(starts[r + 1]))
-            hi, lo = dense_oracle_rows(q[rows_r], rows[r], vals[r], [history[r]], [context_lens[r]], chunks[r],
-                                       window, causal)  # fmt: skip
+            hi, lo = oracle_pair(q[rows_r], rows[r], vals[r], [(0, *history[r])],
+                                 torch.tensor([0, chunks[r]]), seq_lens[r : r + 1], window=window, causal=causal)  # fmt: skip
             assert_attention_close(out[rows_r].cpu(), hi, lo, name=f"chunk {chunks} request {r}")
             history[r] = (torch.cat([history[r][0], rows[r]]), torch.cat([history[r][1], vals[r]]))
     # a draft block after the chunks reads only what the writes left in the ring
@@ -93,7 +93,8 @@ def test_chunks_through_the_ring_then_decode_match_full_history(causal, device):
     )  # fmt: skip
     out = ring_attention(q.to(device), k_new.to(device), v_new.to(device), k_cache, v_cache, batch, window=window,
                          causal=causal)  # fmt: skip
-    hi, lo = dense_oracle_rows(q, k_new, v_new, history, context_lens, block, window, causal)
+    hi, lo = oracle_pair(q, k_new, v_new, [(0, *h) for h in history], batch.query_start_loc, batch.seq_lens,
+                         window=window, causal=causal)  # fmt: skip
     assert_attention_close(out.cpu(), hi, lo, name="decode after prefill chunks")
 
 

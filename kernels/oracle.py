@@ -1,0 +1,125 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The dense oracle of the ring kernels: attention over a request's history kept densely by absolute position,
+masked by ``ring_geometry.visible``, computed in fp64 by default.
+
+This module holds the masked-softmax formula once: the ring reference (``reference.py``) gathers its keys
+through the ring and calls ``attention_by_position``; the tests, the harness's full-history cache and
+``bench/gpu_check.py`` call ``dense_history_attention`` / ``attention_by_position`` on dense histories.
+Needs only torch (``gpu_check`` imports it on a GPU machine without vLLM).
+
+Semantics of an empty row (a query that sees no key; impossible for a drafter, defined anyway): output 0, as
+flash-attention's ``attention_ref`` fills fully masked rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .ring_geometry import first_visible_position, visible
+
+
+def masked_softmax_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``q [B, Hq, D]``, ``k [L, Hkv, D]``, ``v [L, Hkv, Dv]``, ``mask [B, L]`` -> ``[B, Hq, Dv]`` in the inputs'
+    dtype; GQA by repeating each KV head over its ``Hq / Hkv`` query heads; a row without keys gives 0."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    # scores: [Hq, B, L]
+    scores = torch.einsum("bhd,lhd->hbl", q, k) * scale
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    # a row of -inf softmaxes to NaN: it saw no key, so it weighs nothing
+    weights = torch.where(mask[None], weights, torch.zeros_like(weights))
+    return torch.einsum("hbl,lhd->bhd", weights, v)
+
+
+def attention_by_position(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pos: torch.Tensor,
+    *,
+    window: int,
+    causal: bool,
+    scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Queries at absolute positions over keys at absolute positions, masked by the contract
+    (``ring_geometry.visible``: ``q - k < W``, ``k >= 0``, causal ``k <= q`` else ``k - q < W``).
+
+    Only the keys some query sees are computed, so a long dense history costs its window, not its length.
+
+    Args:
+        q: [B, Hq, D]; q_pos: [B] int positions.
+        k: [L, Hkv, D]; v: [L, Hkv, Dv]; k_pos: [L] int positions (any order; K/V of positions a query must
+            not see may hold anything, NaN included).
+        window: W. causal: see above. scale: default ``D ** -0.5``.
+        compute_dtype: the dtype of the whole computation (fp64: the oracle; the kernel's dtype: ``ref_lo``).
+
+    Returns:
+        [B, Hq, Dv] in ``compute_dtype``.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    # [B, L]
+    mask = visible(q_pos.to(torch.int64)[:, None], k_pos.to(torch.int64)[None, :], window, causal)
+    keep = mask.any(0).nonzero()[:, 0]
+    return masked_softmax_attention(
+        q.to(compute_dtype), k[keep].to(compute_dtype), v[keep].to(compute_dtype), mask[:, keep], scale
+    )
+
+
+def dense_history_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    histories: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    window: int,
+    causal: bool,
+    scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """The oracle of a varlen batch (``varlen``: request ``r``'s queries at ``context_len .. seq_len - 1``) whose
+    context is a dense history per request instead of a ring.
+
+    Args:
+        q: [T, Hq, D]; k_new: [T, Hkv, D]; v_new: [T, Hkv, Dv]: the batch's own rows.
+        histories: per request ``(first, k_hist [n, Hkv, D], v_hist [n, Hkv, Dv])``, the K/V of positions
+            ``first .. first + n - 1``; rows at or past ``context_len`` are ignored (the batch's own rows are
+            those positions). ``first`` must not exceed the window start ``max(0, context_len - (W - 1))``.
+        query_start_loc: [num_reqs + 1]; seq_lens: [num_reqs] (any int dtype, any device).
+        window, causal, scale, compute_dtype: as ``attention_by_position``.
+
+    Returns:
+        [T, Hq, Dv] in ``compute_dtype``; rows of no request (past ``query_start_loc[-1]``) are 0.
+    """
+    device = q.device
+    out = torch.zeros(q.shape[0], q.shape[1], v_new.shape[-1], dtype=compute_dtype, device=device)
+    starts = query_start_loc.tolist()
+    for request, (seq_len, (first, k_hist, v_hist)) in enumerate(zip(seq_lens.tolist(), histories, strict=True)):
+        begin, end = starts[request], starts[request + 1]
+        context_len = seq_len - (end - begin)
+        if first > first_visible_position(context_len, window) or first + k_hist.shape[0] < context_len:
+            raise ValueError(
+                f"request {request}: its history holds positions {first}..{first + k_hist.shape[0] - 1}, but its "
+                f"queries see {first_visible_position(context_len, window)}..{context_len - 1}; keep that history"
+            )
+        q_pos = torch.arange(context_len, seq_len, device=device)
+        history_pos = torch.arange(first, max(first, context_len), device=device)
+        # only the history rows some query sees travel on (a long history costs its window, not its length)
+        rows = visible(q_pos[:, None], history_pos[None, :], window, causal).any(0).nonzero()[:, 0]
+        out[begin:end] = attention_by_position(
+            q[begin:end], q_pos,
+            torch.cat([k_hist[rows.to(k_hist.device)].to(device), k_new[begin:end]]),
+            torch.cat([v_hist[rows.to(v_hist.device)].to(device), v_new[begin:end]]),
+            torch.cat([history_pos[rows], q_pos]),
+            window=window, causal=causal, scale=scale, compute_dtype=compute_dtype,
+        )  # fmt: skip
+    return out
