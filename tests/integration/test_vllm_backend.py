@@ -50,6 +50,7 @@ def test_declared_capabilities():
     assert RingKVBackend.supports_non_causal()
     assert RingKVBackend.supports_head_size(128) and RingKVBackend.supports_head_size(59)
     assert RingKVBackend.supports_head_size(256) and not RingKVBackend.supports_head_size(512)
+    assert RingKVBackend.supports_head_size_v(128, 64) and not RingKVBackend.supports_head_size_v(128, 512)
     assert all(RingKVBackend.supports_dtype(d) for d in (torch.float16, torch.bfloat16, torch.float32))
     assert RingKVBackend.get_supported_kernel_block_sizes() == [MultipleOf(16)]
     assert RingKVBackend.supports_block_size(16) and not RingKVBackend.supports_block_size(8)
