@@ -15,6 +15,15 @@ from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+
+def runner_output(req_ids: list[str], sampled_token_ids: list[list[int]]) -> ModelRunnerOutput:
+    """vLLM's ``ModelRunnerOutput`` for a step: ``req_id_to_index`` up to 0.33, gone in 0.34 (the order of
+    ``req_ids`` is the index)."""
+    indices = {"req_id_to_index": {rid: i for i, rid in enumerate(req_ids)}}
+    extra = indices if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__ else {}
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids, **extra)
+
+
 __all__ = [
     "DraftTokenIds",
     "EngineArgs",
@@ -29,4 +38,5 @@ __all__ = [
     "SlidingWindowSpec",
     "StructuredOutputManager",
     "VllmConfig",
+    "runner_output",
 ]

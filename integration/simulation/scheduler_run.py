@@ -19,7 +19,15 @@ from pathlib import Path
 
 from ringkv.integration.vllm import register
 
-from ._vllm import DraftTokenIds, EngineArgs, ModelRunnerOutput, Scheduler, StructuredOutputManager, VllmConfig
+from ._vllm import (
+    DraftTokenIds,
+    EngineArgs,
+    ModelRunnerOutput,
+    Scheduler,
+    StructuredOutputManager,
+    VllmConfig,
+    runner_output,
+)
 from .admission import Deployment, drafter_blocks_held, largest_satisfying, make_request
 
 
@@ -120,8 +128,7 @@ def scheduler_run(
             speculated = len(output.scheduled_spec_decode_tokens.get("r0", ()))
             sampled = [1] * (1 + (rng.randint(0, speculated) if speculated else 0))
             decodes += bool(speculated)
-        runner_output = ModelRunnerOutput(req_ids=["r0"], req_id_to_index={"r0": 0}, sampled_token_ids=[sampled])
-        scheduler.update_from_output(output, runner_output)
+        scheduler.update_from_output(output, runner_output(["r0"], [sampled]))
         if sampled:
             scheduler.update_draft_token_ids(DraftTokenIds(["r0"], [[1] * drafts]))
         trace.computed.append(request.num_computed_tokens)
@@ -140,8 +147,7 @@ def _runner_output(output, accept: Callable[[], int]) -> tuple[ModelRunnerOutput
         speculated = len(output.scheduled_spec_decode_tokens.get(rid, ()))
         finishing_prefill = rid not in output.scheduled_spec_decode_tokens
         sampled.append([1] * (1 + accept() % (speculated + 1)) if speculated or finishing_prefill else [])
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                             sampled_token_ids=sampled), ids  # fmt: skip
+    return runner_output(ids, sampled), ids
 
 
 def scheduler_step_times(

