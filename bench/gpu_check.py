@@ -39,8 +39,8 @@ HBM_BYTES_PER_S = 4.3e12
 SMOKE_SHAPE = DrafterShape(window=37, block_size=8, num_q_heads=4, num_kv_heads=1, head_dim=16)
 
 
-def build_batch(shape: DrafterShape, num_reqs: int, block: int, committed: int, dtype, device, seed: int = 0):
-    """N requests at the same committed position: a ring each, live context written through ``ring_write``,
+def build_batch(shape: DrafterShape, num_reqs: int, block: int, context_len: int, dtype, device, seed: int = 0):
+    """N requests at the same context length: a ring each, live context written through ``ring_write``,
     plus the same K/V linearized (``[N, Hkv, W-1+B, D]``) for the dense baselines."""
     import torch
     from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_write
@@ -54,7 +54,7 @@ def build_batch(shape: DrafterShape, num_reqs: int, block: int, committed: int, 
     v_cache = torch.full(pool, float("nan"), dtype=dtype, device=device)
     rings = torch.randperm(num_blocks - 1, generator=generator, device=device) + 1
     rings = rings.view(num_reqs, plan.num_blocks).to(torch.int32)
-    context = torch.arange(max(0, committed - (shape.window - 1)), committed)
+    context = torch.arange(max(0, context_len - (shape.window - 1)), context_len)
     ctx_len = len(context)
 
     def randn(*size: int):
@@ -64,7 +64,7 @@ def build_batch(shape: DrafterShape, num_reqs: int, block: int, committed: int, 
     v_ctx = randn(num_reqs, ctx_len, shape.num_kv_heads, shape.head_dim)
     context = context.to(device)
     for r in range(num_reqs):
-        slots = plan.slot_mapping(context, rings[r], committed_end=committed)
+        slots = plan.slot_mapping(context, rings[r], seq_len=context_len)
         ring_write(k_ctx[r], v_ctx[r], k_cache, v_cache, slots)
     tokens = num_reqs * block
     q = randn(tokens, shape.num_q_heads, shape.head_dim)
@@ -72,8 +72,8 @@ def build_batch(shape: DrafterShape, num_reqs: int, block: int, committed: int, 
     v_new = randn(tokens, shape.num_kv_heads, shape.head_dim)
     batch = VarlenBatch(
         torch.arange(0, tokens + 1, block, dtype=torch.int32, device=device),
-        torch.full((num_reqs,), committed + block, dtype=torch.int32, device=device), rings,
-        max_query_len=block, max_seq_len=committed + block, table_period=plan.num_blocks, mode=BatchMode.DRAFT_BLOCK,
+        torch.full((num_reqs,), context_len + block, dtype=torch.int32, device=device), rings,
+        max_query_len=block, max_seq_len=context_len + block, table_period=plan.num_blocks, mode=BatchMode.DRAFT_BLOCK,
     )  # fmt: skip
     args = {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache, "batch": batch,
             "window": shape.window, "causal": False}  # fmt: skip
@@ -125,7 +125,7 @@ def make_baselines(dense, ctx_len: int, block: int, window: int, device, compile
     return baselines
 
 
-def vllm_unified_call(unified, args: dict, shape: DrafterShape, block: int, committed: int):
+def vllm_unified_call(unified, args: dict, shape: DrafterShape, block: int, context_len: int):
     """vLLM's ``unified_attention`` (``vllm_unified.py``; its launcher's own tile choices) on the same ring. vLLM
     reads every key from the cache, so the block's own K/V are first written into the ring's slack (positions
     ``P..P+B-1``, which never alias live context), and each ring row becomes vLLM's periodic logical row
@@ -140,14 +140,14 @@ def vllm_unified_call(unified, args: dict, shape: DrafterShape, block: int, comm
     slots = table_slot_mapping(positions, batch.block_table, block_size=shape.block_size, window=shape.window,
                                period=batch.period, request_index=request)  # fmt: skip
     ring_write(args["k_new"], args["v_new"], k_cache, v_cache, slots)
-    columns = torch.arange(cdiv(committed + block, shape.block_size), device=k_cache.device) % batch.period
+    columns = torch.arange(cdiv(context_len + block, shape.block_size), device=k_cache.device) % batch.period
     table = batch.block_table[:, columns].contiguous()
     out = torch.empty_like(args["q"])
 
     def call():
         unified.unified_attention(
             q=args["q"], k=k_cache, v=v_cache, out=out, cu_seqlens_q=batch.query_start_loc, max_seqlen_q=block,
-            seqused_k=batch.seq_lens, max_seqlen_k=committed + block, softmax_scale=shape.head_dim**-0.5,
+            seqused_k=batch.seq_lens, max_seqlen_k=context_len + block, softmax_scale=shape.head_dim**-0.5,
             causal=False, window_size=(shape.window - 1, shape.window - 1), block_table=table, softcap=0,
             q_descale=None, k_descale=None, v_descale=None,
         )  # fmt: skip
@@ -174,9 +174,9 @@ def time_fn(fn, smoke: bool) -> tuple[float, float, float]:
     return p50 * 1e3, p20 * 1e3, p80 * 1e3
 
 
-def gate(out, dense, committed: int, window: int) -> dict:
+def gate(out, dense, context_len: int, window: int) -> dict:
     """The tolerance rule for ``out`` ([N*B, Hq, D]) against the dense oracle on the same K/V (``build_batch``'s
-    ``[N, H, L, D]`` tensors, non-causal, at positions ``committed - ctx_len .. committed + B - 1``): fp64, and the
+    ``[N, H, L, D]`` tensors, non-causal, at positions ``context_len - ctx_len .. context_len + B - 1``): fp64, and the
     batch's own dtype."""
     import torch
     from ringkv.kernels.oracle import attention_by_position
@@ -184,8 +184,8 @@ def gate(out, dense, committed: int, window: int) -> dict:
 
     q, k, v = dense
     num_reqs, block = q.shape[0], q.shape[2]
-    q_pos = committed + torch.arange(block, device=q.device)
-    k_pos = torch.arange(committed + block - k.shape[2], committed + block, device=q.device)
+    q_pos = context_len + torch.arange(block, device=q.device)
+    k_pos = torch.arange(context_len + block - k.shape[2], context_len + block, device=q.device)
     ref_hi, ref_lo = (
         torch.cat([attention_by_position(q[r].transpose(0, 1), q_pos, k[r].transpose(0, 1), v[r].transpose(0, 1),
                                          k_pos, window=window, causal=False, compute_dtype=dtype)
@@ -218,12 +218,12 @@ def bf16_cases(shape: DrafterShape, device, smoke: bool) -> list[dict]:
     cases = [(1, 8, 262_136, None), (4, 16, 5_000, None), (2, 8, 3_000, 4), (1, 8, 100, None)]
     if smoke:
         cases = cases[-1:]
-    for num_reqs, block, committed, splits in cases:
-        args, dense, _ = build_batch(shape, num_reqs, block, committed, torch.bfloat16, device, seed=committed)
+    for num_reqs, block, context_len, splits in cases:
+        args, dense, _ = build_batch(shape, num_reqs, block, context_len, torch.bfloat16, device, seed=context_len)
         first = ring_attention(**args, num_splits=splits)
         repeats_equal = all(torch.equal(first, ring_attention(**args, num_splits=splits)) for _ in range(10))
-        rows.append({"num_reqs": num_reqs, "block": block, "committed": committed, "num_splits": splits,
-                     "bitwise_repeats": repeats_equal, **gate(first, dense, committed, shape.window)})  # fmt: skip
+        rows.append({"num_reqs": num_reqs, "block": block, "context_len": context_len, "num_splits": splits,
+                     "bitwise_repeats": repeats_equal, **gate(first, dense, context_len, shape.window)})  # fmt: skip
     return rows
 
 
@@ -280,18 +280,18 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, un
         shape = SHAPES[shape_name] if not smoke else SMOKE_SHAPE
         primary = shape_name == "dflash2-32-8-128"
         for block, num_reqs in grid:
-            committed = 262_136 if not smoke else 100
+            context_len = 262_136 if not smoke else 100
             per_set = 2 * num_reqs * (shape.window - 1 + block) * shape.num_kv_heads * shape.head_dim * dtype.itemsize
             num_sets = 1 if smoke else max(1, min(32, -(-COLD_SETS_BYTES // per_set)))
-            batches = [build_batch(shape, num_reqs, block, committed, dtype, device, seed=s) for s in range(num_sets)]
+            batches = [build_batch(shape, num_reqs, block, context_len, dtype, device, seed=s) for s in range(num_sets)]
             args, dense, ctx_len = batches[0]
             outs = [torch.empty_like(b[0]["q"]) for b in batches]
             calls = [lambda a=b[0], o=o: ring_attention(**a, out=o) for b, o in zip(batches, outs, strict=True)]
             calls[0]()
-            check = gate(outs[0], dense, committed, shape.window)
+            check = gate(outs[0], dense, context_len, shape.window)
             kv_bytes = 2 * num_reqs * (ctx_len + block) * shape.num_kv_heads * shape.head_dim * dtype.itemsize
             qo_bytes = 2 * num_reqs * block * shape.num_q_heads * shape.head_dim * dtype.itemsize
-            base = {"shape": shape_name, "block": block, "num_reqs": num_reqs, "committed": committed,
+            base = {"shape": shape_name, "block": block, "num_reqs": num_reqs, "context_len": context_len,
                     "dtype": str(dtype), "bytes": kv_bytes + qo_bytes, "ring_sets": num_sets}  # fmt: skip
             providers = {"ringkv": rotating(calls)}
             if device.type == "cuda" and num_reqs <= 8:
@@ -301,7 +301,7 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, un
                 providers.update(make_baselines(dense, ctx_len, block, shape.window, device, compile_flex))
                 if unified is not None:
                     try:
-                        providers["vllm-triton"] = rotating([vllm_unified_call(unified, b[0], shape, block, committed)
+                        providers["vllm-triton"] = rotating([vllm_unified_call(unified, b[0], shape, block, context_len)
                                                               for b in batches])  # fmt: skip
                     except Exception as error:  # recorded like any other baseline
                         providers["vllm-triton"] = error
@@ -346,7 +346,7 @@ def prefill_rows(device, smoke: bool, budget_s: float) -> list[dict]:
 
     shape = SMOKE_SHAPE if smoke else ISSUE_55800
     window, dtype = shape.window, torch.bfloat16
-    committed = 8192 if not smoke else 100
+    context_len = 8192 if not smoke else 100
     rows = []
     started = time.perf_counter()
     for chunk in (512, 2048, 8192) if not smoke else (40,):
@@ -360,14 +360,14 @@ def prefill_rows(device, smoke: bool, budget_s: float) -> list[dict]:
                              dtype=dtype, device=device)  # fmt: skip
         v_cache = torch.full_like(k_cache, float("nan"))
         ring = torch.arange(1, plan.num_blocks + 1, dtype=torch.int32, device=device)
-        history = torch.arange(committed - (window - 1), committed, device=device)
+        history = torch.arange(context_len - (window - 1), context_len, device=device)
         k_hist, v_hist = (randn(len(history), shape.num_kv_heads, shape.head_dim) for _ in range(2))
-        ring_write(k_hist, v_hist, k_cache, v_cache, plan.slot_mapping(history, ring, committed_end=committed))
+        ring_write(k_hist, v_hist, k_cache, v_cache, plan.slot_mapping(history, ring, seq_len=context_len))
         q = randn(chunk, shape.num_q_heads, shape.head_dim)
         k_new, v_new = (randn(chunk, shape.num_kv_heads, shape.head_dim) for _ in range(2))
         starts = torch.tensor([0, chunk], dtype=torch.int32, device=device)
-        batch = VarlenBatch(starts, torch.tensor([committed + chunk], dtype=torch.int32, device=device), ring[None],
-                            max_query_len=chunk, max_seq_len=committed + chunk, table_period=plan.num_blocks,
+        batch = VarlenBatch(starts, torch.tensor([context_len + chunk], dtype=torch.int32, device=device), ring[None],
+                            max_query_len=chunk, max_seq_len=context_len + chunk, table_period=plan.num_blocks,
                             mode=BatchMode.PREFILL_CHUNK)  # fmt: skip
         args = {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache, "batch": batch,
                 "window": window, "causal": True}  # fmt: skip
@@ -377,7 +377,7 @@ def prefill_rows(device, smoke: bool, budget_s: float) -> list[dict]:
             return ring_prefill_attention(**args, out=out, write_ring=False)
 
         ringkv_call()
-        q_pos = committed + torch.arange(chunk, device=device)
+        q_pos = context_len + torch.arange(chunk, device=device)
         k_pos = torch.cat([history, q_pos])
         # [L, Hkv, D]: the history, then the chunk
         k_all, v_all = torch.cat([k_hist, k_new]), torch.cat([v_hist, v_new])
@@ -392,7 +392,7 @@ def prefill_rows(device, smoke: bool, budget_s: float) -> list[dict]:
         keys, values = k_all.transpose(0, 1)[None], v_all.transpose(0, 1)[None]
         visible_keys = visible(q_pos[:, None], k_pos[None, :], window, True).sum().item()
         flops = 2 * shape.num_q_heads * visible_keys * 2 * shape.head_dim
-        base = {"op": "prefill", "chunk": chunk, "committed": committed, "visible_keys": visible_keys,
+        base = {"op": "prefill", "chunk": chunk, "context_len": context_len, "visible_keys": visible_keys,
                 "flops": flops, "dtype": str(dtype)}  # fmt: skip
         providers = {"ringkv": ringkv_call}
         try:

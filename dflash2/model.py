@@ -35,11 +35,11 @@ class DraftKVStore(Protocol):
         q: torch.Tensor,
         k_new: torch.Tensor,
         v_new: torch.Tensor,
-        committed: Sequence[int],
+        context_lens: Sequence[int],
         block: int,
         requests: Sequence[int],
     ) -> torch.Tensor:
-        """``[N*B, Hq, D]``: block ``r`` (request ``requests[r]``, positions ``committed[r] ..``) over its
+        """``[N*B, Hq, D]``: block ``r`` (request ``requests[r]``, positions ``context_lens[r] ..``) over its
         context and its own K/V."""
 
 
@@ -189,7 +189,7 @@ class DFlash2Drafter(nn.Module):
     def write_context(
         self, cache: DraftKVStore, request: int, target_features: torch.Tensor, positions: torch.Tensor
     ) -> None:
-        """Store the context K/V of committed ``positions`` (dead ones are dropped by the cache)."""
+        """Store the context K/V at ``positions`` (dead ones are dropped by the cache)."""
         for index, (k, v) in enumerate(self.context_kv(target_features, positions)):
             cache.write(index, request, positions, k, v)
 
@@ -197,16 +197,17 @@ class DFlash2Drafter(nn.Module):
         self,
         cache: DraftKVStore,
         embeddings: torch.Tensor,
-        committed: Sequence[int],
+        context_lens: Sequence[int],
         block: int,
         requests: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Hidden states ``[N*B, hidden]`` of N draft blocks (``embeddings [N*B, hidden]``); block ``r`` belongs
-        to request ``requests[r]`` (default ``r``) and sits at positions ``committed[r] .. committed[r] + B - 1``."""
-        requests = list(range(len(committed))) if requests is None else list(requests)
-        if len(requests) != len(committed):
-            raise ValueError(f"{len(requests)} request ids for {len(committed)} blocks; give one id per block")
-        positions = torch.cat([torch.arange(p, p + block) for p in committed]).to(embeddings.device)
+        to request ``requests[r]`` (default ``r``) and sits at positions ``context_lens[r]`` to
+        ``context_lens[r] + B - 1``."""
+        requests = list(range(len(context_lens))) if requests is None else list(requests)
+        if len(requests) != len(context_lens):
+            raise ValueError(f"{len(requests)} request ids for {len(context_lens)} blocks; give one id per block")
+        positions = torch.cat([torch.arange(p, p + block) for p in context_lens]).to(embeddings.device)
         hidden, residual = embeddings, None
         for index, layer in enumerate(self.layers):
             residual = hidden if residual is None else hidden + residual
@@ -216,7 +217,7 @@ class DFlash2Drafter(nn.Module):
             attn = layer.self_attn
             q = attn.queries(hidden, positions)
             k, v = attn.keys_values(hidden, positions)
-            hidden = attn.o_proj(cache.attend(index, q, k, v, committed, block, requests).flatten(1))
+            hidden = attn.o_proj(cache.attend(index, q, k, v, context_lens, block, requests).flatten(1))
             if layer.attention_conv is not None:
                 hidden = layer.attention_conv.finish(hidden, coefficients)
             residual = hidden + residual
@@ -232,17 +233,17 @@ class DFlash2Drafter(nn.Module):
         self,
         cache: DraftKVStore,
         anchors: torch.Tensor,
-        committed: Sequence[int],
+        context_lens: Sequence[int],
         embed: nn.Module,
         lm_head: nn.Module,
         requests: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy drafts ``[N, B-1]`` and their logits ``[N, B-1, vocab]`` for anchors ``[N]`` (the bonus
-        tokens at positions ``committed`` of ``requests``, default ``0..N-1``), through the target's embedding
+        tokens at positions ``context_lens`` of ``requests``, default ``0..N-1``), through the target's embedding
         and head."""
         block = self.config.block_size
-        tokens = torch.full((len(committed), block), self.config.mask_token_id, device=anchors.device)
+        tokens = torch.full((len(context_lens), block), self.config.mask_token_id, device=anchors.device)
         tokens[:, 0] = anchors
-        hidden = self.forward_block(cache, embed(tokens.flatten()), committed, block, requests)
-        logits = lm_head(hidden.view(len(committed), block, -1)[:, 1:])
+        hidden = self.forward_block(cache, embed(tokens.flatten()), context_lens, block, requests)
+        logits = lm_head(hidden.view(len(context_lens), block, -1)[:, 1:])
         return logits.argmax(-1), logits

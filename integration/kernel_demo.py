@@ -59,14 +59,14 @@ def attention_step(shape: DrafterShape, last_position: int, device: torch.device
     generator = torch.Generator().manual_seed(seed)
     plan = shape.plan
     block = plan.lookahead
-    committed = last_position + 1 - block
+    context_len = last_position + 1 - block
     num_blocks = 2 * plan.num_blocks + 1
     pool_shape = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
     k_cache = torch.full(pool_shape, float("nan"), dtype=DTYPE, device=device)
     v_cache = torch.full(pool_shape, float("nan"), dtype=DTYPE, device=device)
     ring = (torch.randperm(num_blocks - 1, generator=generator)[: plan.num_blocks] + 1).to(torch.int32)
-    chunk = torch.arange(max(0, committed - 8192), committed)
-    slots = plan.slot_mapping(chunk, ring, committed_end=committed)
+    chunk = torch.arange(max(0, context_len - 8192), context_len)
+    slots = plan.slot_mapping(chunk, ring, seq_len=context_len)
 
     def rand(*size: int) -> torch.Tensor:
         return torch.randn(*size, generator=generator).to(DTYPE).to(device)
@@ -80,8 +80,8 @@ def attention_step(shape: DrafterShape, last_position: int, device: torch.device
         "k_cache": k_cache, "v_cache": v_cache,
         "batch": VarlenBatch(
             torch.tensor([0, block], dtype=torch.int32, device=device),
-            torch.tensor([committed + block], dtype=torch.int32, device=device), ring[None].to(device),
-            max_query_len=block, max_seq_len=committed + block, table_period=plan.num_blocks,
+            torch.tensor([context_len + block], dtype=torch.int32, device=device), ring[None].to(device),
+            max_query_len=block, max_seq_len=context_len + block, table_period=plan.num_blocks,
             mode=BatchMode.DRAFT_BLOCK,
         ),
         "window": shape.window, "causal": False,
@@ -94,4 +94,4 @@ def attention_step(shape: DrafterShape, last_position: int, device: torch.device
     ref_hi = ring_attention_reference(**args, compute_dtype=torch.float64)
     ref_lo = ring_attention_reference(**args, compute_dtype=DTYPE)
     report = attention_error(out, ref_hi, ref_lo)
-    return StepResult((committed, last_position), int((slots >= 0).sum()), report.max_error, report.bound, seconds)
+    return StepResult((context_len, last_position), int((slots >= 0).sum()), report.max_error, report.bound, seconds)

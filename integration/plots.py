@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def plot_drafter_blocks(series: dict[str, tuple[list[int], list[int]]], path: Path, title: str) -> Path:
-    """``series``: label -> (committed tokens per step, drafter blocks held per step)."""
+    """``series``: label -> (context_len tokens per step, drafter blocks held per step)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -16,7 +16,7 @@ def plot_drafter_blocks(series: dict[str, tuple[list[int], list[int]]], path: Pa
     figure, axis = plt.subplots(figsize=(7, 4))
     for label, (context, blocks) in series.items():
         axis.plot(context, blocks, marker=".", markersize=3, label=label)
-    axis.set_xlabel("context (committed tokens)")
+    axis.set_xlabel("context (context_len tokens)")
     axis.set_ylabel("drafter KV blocks held")
     axis.set_title(title)
     axis.set_ylim(bottom=0)

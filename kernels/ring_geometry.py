@@ -12,9 +12,9 @@ and fla ``window_size``; FlashAttention ``(W-1, 0)`` / ``(W-1, W-1)``; FlashInfe
 
 Why ``R = cdiv(W + la - 2, bs) + 1`` blocks suffice::
 
-    one drafter step at committed position P (context K/V exist for 0..P-1) reads and writes
+    one drafter step at context length P (context K/V exist for 0..P-1) reads and writes
         context  [P-(W-1), P-1]   (W-1 positions: what query P, the lowest query, can still see)
-        block    [P, P+la-1]      (la = most tokens one step writes past the committed ones)
+        block    [P, P+la-1]      (la = most tokens one step writes past the context)
     live span = W + la - 1 contiguous positions
     L contiguous positions touch at most cdiv(L-1, bs) + 1 blocks (the +1: a span that does not
     start on a block boundary), so the live span touches at most cdiv(W+la-2, bs) + 1 = R blocks.
@@ -92,7 +92,7 @@ class RingPlan:
     Args:
         window: W, keys a query sees including itself.
         block_size: bs, tokens per KV block.
-        lookahead: la, the most positions one step writes at or past the committed count
+        lookahead: la, the most positions one step writes at or past the context length
             (``num_speculative_tokens + 1`` for DFlash).
     """
 
@@ -128,15 +128,15 @@ class RingPlan:
             raise ValueError(f"num_tokens={num_tokens} must be >= 0")
         return min(cdiv(num_tokens, self.block_size), self.num_blocks)
 
-    def live_span(self, committed: int) -> tuple[int, int]:
-        """Half-open positions ``[max(0, P-(W-1)), P+la)`` one step at committed ``P`` reads or writes."""
-        if committed < 0:
-            raise ValueError(f"committed={committed} must be >= 0")
-        return first_visible_position(committed, self.window), committed + self.lookahead
+    def live_span(self, context_len: int) -> tuple[int, int]:
+        """Half-open positions ``[max(0, P-(W-1)), P+la)`` one step at context_len ``P`` reads or writes."""
+        if context_len < 0:
+            raise ValueError(f"context_len={context_len} must be >= 0")
+        return first_visible_position(context_len, self.window), context_len + self.lookahead
 
-    def live_blocks(self, committed: int) -> range:
-        """Logical blocks the live span of a step at committed ``P`` touches (at most R of them)."""
-        lo, hi = self.live_span(committed)
+    def live_blocks(self, context_len: int) -> range:
+        """Logical blocks the live span of a step at context_len ``P`` touches (at most R of them)."""
+        lo, hi = self.live_span(context_len)
         return range(lo // self.block_size, cdiv(hi, self.block_size))
 
     def check_step(self, query_len: int) -> None:
@@ -154,7 +154,7 @@ class RingPlan:
         block_table: torch.Tensor,
         *,
         request_index: torch.Tensor | None = None,
-        committed_end: torch.Tensor | int | None = None,
+        seq_len: torch.Tensor | int | None = None,
         period: int | None = None,
     ) -> torch.Tensor:
         """Ring slot of every written position; ``PAD_SLOT`` (-1) for negative or dead positions.
@@ -163,8 +163,8 @@ class RingPlan:
             positions: [T] absolute positions (int).
             block_table: [num_reqs, width] or [width] physical block ids; column = (p // bs) mod period.
             request_index: [T] row of ``block_table`` per token (default row 0).
-            committed_end: the batch's end (exclusive) per token ([T]) or for all; positions before
-                ``committed_end - (W - 1)`` are dead and get PAD. ``None`` keeps every position.
+            seq_len: the batch's end (exclusive) per token ([T]) or for all; positions before
+                ``seq_len - (W - 1)`` are dead and get PAD. ``None`` keeps every position.
             period: column period, default R (a compact ring row).
 
         Returns:
@@ -173,21 +173,21 @@ class RingPlan:
         return table_slot_mapping(
             positions, block_table, block_size=self.block_size, window=self.window,
             period=self.num_blocks if period is None else period,
-            request_index=request_index, committed_end=committed_end,
+            request_index=request_index, seq_len=seq_len,
         )  # fmt: skip
 
 
-def written(positions: torch.Tensor, committed_end: torch.Tensor | int, window: int) -> torch.Tensor:
-    """Which rows of a write batch ending at ``committed_end`` (exclusive) are stored: ``p >= 0`` and not dead,
-    i.e. ``p >= committed_end - (W - 1)`` (a later query may still see them)."""
-    return (positions >= 0) & (positions >= committed_end - (window - 1))
+def written(positions: torch.Tensor, seq_len: torch.Tensor | int, window: int) -> torch.Tensor:
+    """Which rows of a write batch ending at ``seq_len`` (exclusive) are stored: ``p >= 0`` and not dead,
+    i.e. ``p >= seq_len - (W - 1)`` (a later query may still see them)."""
+    return (positions >= 0) & (positions >= seq_len - (window - 1))
 
 
 def pad_unwritten(
-    slots: torch.Tensor, positions: torch.Tensor, committed_end: torch.Tensor | int, window: int
+    slots: torch.Tensor, positions: torch.Tensor, seq_len: torch.Tensor | int, window: int
 ) -> torch.Tensor:
     """A caller's slot mapping (vLLM's) with PAD for the rows ``written`` rejects."""
-    return torch.where(written(positions, committed_end, window), slots, torch.full_like(slots, PAD_SLOT))
+    return torch.where(written(positions, seq_len, window), slots, torch.full_like(slots, PAD_SLOT))
 
 
 def table_slot_mapping(
@@ -198,14 +198,14 @@ def table_slot_mapping(
     window: int,
     period: int,
     request_index: torch.Tensor | None = None,
-    committed_end: torch.Tensor | int | None = None,
+    seq_len: torch.Tensor | int | None = None,
 ) -> torch.Tensor:
     """``block_table[row, (p // bs) mod period] * bs + p mod bs``; PAD for ``p < 0`` and, given
-    ``committed_end``, for dead positions ``p < committed_end - (W - 1)`` (see ``RingPlan.slot_mapping``)."""
+    ``seq_len``, for dead positions ``p < seq_len - (W - 1)`` (see ``RingPlan.slot_mapping``)."""
     table = block_table.reshape(-1, block_table.shape[-1]).to(torch.int64)
     rows = torch.zeros_like(positions) if request_index is None else request_index
     positions = positions.to(torch.int64)
-    keep = positions >= 0 if committed_end is None else written(positions, committed_end, window)
+    keep = positions >= 0 if seq_len is None else written(positions, seq_len, window)
     safe = torch.where(keep, positions, torch.zeros_like(positions))
     block_ids = table[rows.to(torch.int64), ring_column(safe, block_size, period)]
     slots = block_ids * block_size + torch.remainder(safe, block_size)

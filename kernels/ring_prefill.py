@@ -194,7 +194,7 @@ def ring_prefill_attention(
             request, positions, ends = varlen_positions(batch.query_start_loc, batch.seq_lens, num_tokens)
             slots = last_writer_slots(table_slot_mapping(
                 positions, batch.block_table, block_size=k_cache.shape[1], window=window,
-                period=batch.period, request_index=request, committed_end=ends,
+                period=batch.period, request_index=request, seq_len=ends,
             ))  # fmt: skip
         else:
             slots = live_write_slots(slot_mapping, batch.query_start_loc, batch.seq_lens, num_tokens, window)

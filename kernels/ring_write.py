@@ -72,7 +72,7 @@ def ring_write(
     """Store K/V row ``t`` at flat ring slot ``slot_mapping[t]`` (``block_id * bs + offset``); ``< 0`` skips.
 
     Rows are written in parallel, so two rows with one slot race: build the mapping with
-    ``RingPlan.slot_mapping(..., committed_end=...)``, which PADs dead positions and keeps live slots distinct.
+    ``RingPlan.slot_mapping(..., seq_len=...)``, which PADs dead positions and keeps live slots distinct.
 
     Args:
         k: [T, Hkv, D]; v: [T, Hkv, Dv], the dtype of the caches (fp16/bf16/fp32).

@@ -27,7 +27,7 @@ class ErrorReport:
 def attention_error(out: torch.Tensor, ref_hi: torch.Tensor, ref_lo: torch.Tensor) -> ErrorReport:
     """Compare ``out`` with ``ref_hi`` (fp64 reference) given ``ref_lo`` (a same-dtype PyTorch run).
 
-    ``fwd_atol = 2 * max|(ref_hi + 0.3) - 0.3 - ref_hi|`` in the output dtype; fp32 is also held to 1e-5.
+    ``fwd_atol = 2 * max|(ref_hi + 0.3) - 0.3 - ref_hi|`` in the output dtype; fp32 is held to 1e-5 instead.
     NaN or inf in ``out`` where ``ref_hi`` is finite makes the error infinite.
     """
     ref_hi = ref_hi.to(out.device, out.dtype)
@@ -36,7 +36,9 @@ def attention_error(out: torch.Tensor, ref_hi: torch.Tensor, ref_lo: torch.Tenso
     fwd_atol = 2 * ((ref_hi + 0.3) - 0.3 - ref_hi).abs().max().double().item() if ref_hi.numel() else 0.0
     bound = 2 * ((lo - hi).abs().max().item() if hi.numel() else 0.0) + fwd_atol
     if out.dtype == torch.float32:
-        bound = min(bound, FP32_ABS_BOUND)
+        # no run below fp32 exists to set the relative bound (PyTorch's fp32 run is as precise as the kernel's,
+        # tiling reorders the same roundings): fp32 is held to the absolute bound
+        bound = FP32_ABS_BOUND
     err = (got - hi).abs()
     err = torch.where(
         torch.isfinite(got) | ~torch.isfinite(hi), err.nan_to_num(0.0), torch.full_like(err, float("inf"))

@@ -166,10 +166,12 @@ def oracle_pair(
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ref_hi, ref_lo) of the tolerance rule from the dense oracle (``dense_history_attention``): fp64, and the
-    batch's own dtype."""
-    args = (q, k_new, v_new, histories, query_start_loc, seq_lens)
-    ref_hi = dense_history_attention(*args, window=window, causal=causal, compute_dtype=torch.float64)
-    ref_lo = dense_history_attention(*args, window=window, causal=causal, compute_dtype=q.dtype)
+    batch's own dtype with the ops reordered (flash-attention's ``reorder_ops``: Q scaled in its dtype before the
+    dot, as the kernels do, not the scores after it)."""
+    rest = (k_new, v_new, histories, query_start_loc, seq_lens)
+    ref_hi = dense_history_attention(q, *rest, window=window, causal=causal, compute_dtype=torch.float64)
+    scaled_q = q * q.shape[-1] ** -0.5
+    ref_lo = dense_history_attention(scaled_q, *rest, window=window, causal=causal, scale=1.0, compute_dtype=q.dtype)
     return ref_hi, ref_lo
 
 

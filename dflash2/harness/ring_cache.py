@@ -75,14 +75,14 @@ class DraftKVCache:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.storage)
 
     def write(self, layer: int, request: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Context rows of consecutive committed ``positions``; ring layers drop positions that are dead."""
+        """Context rows at consecutive ``positions``; ring layers drop positions that are dead."""
         plan, ring = self.plans[layer], self.rings[layer]
         k_store, v_store = self.storage[layer]
         if plan is None:
             k_store[request, positions] = k.to(self.dtype)
             v_store[request, positions] = v.to(self.dtype)
             return
-        slots = plan.slot_mapping(positions.to(self.device), ring[request], committed_end=int(positions[-1]) + 1)
+        slots = plan.slot_mapping(positions.to(self.device), ring[request], seq_len=int(positions[-1]) + 1)
         keep = slots >= 0
         # only live rows travel to the kernel (a chunk longer than the ring is mostly dead)
         rows = (k.to(self.dtype)[keep].contiguous(), v.to(self.dtype)[keep].contiguous())
@@ -95,12 +95,12 @@ class DraftKVCache:
         q: torch.Tensor,
         k_new: torch.Tensor,
         v_new: torch.Tensor,
-        committed: Sequence[int],
+        context_lens: Sequence[int],
         block: int,
         requests: Sequence[int],
     ) -> torch.Tensor:
         """``[N*B, Hq, D]`` attention of N equal draft blocks, block ``r`` of request ``requests[r]`` at
-        positions ``committed[r] ..``, over that request's context and the block itself."""
+        positions ``context_lens[r] ..``, over that request's context and the block itself."""
         for request in requests:
             if not 0 <= request < self.num_requests:
                 raise ValueError(f"request {request} is outside this cache's {self.num_requests} requests")
@@ -108,8 +108,8 @@ class DraftKVCache:
         window = spec.window or UNBOUNDED_WINDOW
         plan, ring = self.plans[layer], self.rings[layer]
         k_store, v_store = self.storage[layer]
-        starts = torch.arange(0, block * len(committed) + 1, block, dtype=torch.int32, device=self.device)
-        seq_lens = torch.tensor([p + block for p in committed], dtype=torch.int32, device=self.device)
+        starts = torch.arange(0, block * len(context_lens) + 1, block, dtype=torch.int32, device=self.device)
+        seq_lens = torch.tensor([p + block for p in context_lens], dtype=torch.int32, device=self.device)
         if plan is None:
             # the dense oracle over every kept position, in the cache's precision (at least fp32)
             histories = [(0, k_store[request], v_store[request]) for request in requests]
@@ -119,7 +119,7 @@ class DraftKVCache:
                 compute_dtype=torch.promote_types(self.dtype, torch.float32),
             ).to(q.dtype)  # fmt: skip
         rows = ring[torch.tensor(list(requests), device=self.device)]
-        batch = VarlenBatch(starts, seq_lens, rows, max_query_len=block, max_seq_len=max(committed) + block,
+        batch = VarlenBatch(starts, seq_lens, rows, max_query_len=block, max_seq_len=max(context_lens) + block,
                             table_period=plan.num_blocks, mode=BatchMode.DRAFT_BLOCK)  # fmt: skip
         args = (q.to(self.dtype), k_new.to(self.dtype), v_new.to(self.dtype), k_store, v_store, batch)
         options = {"window": window, "causal": spec.causal, "scale": self.scale}

@@ -82,24 +82,24 @@ def run_smoke(
         if progress is not None:
             progress("prefill", min(start + chunk, context))
     rng = random.Random(seed)
-    committed, worst, worst_step, bound = context, 0.0, 0, 0.0
+    context_len, worst, worst_step, bound = context, 0.0, 0, 0.0
     for step in range(steps):
         anchor = torch.tensor([rng.randrange(config.vocab_size - 1)], device=device)
         with torch.no_grad():
-            _, logits = drafter.draft(ring, anchor, [committed], embed, head)
-            _, logits_lo = drafter.draft(full32, anchor, [committed], embed, head)
-            _, logits_hi = reference.draft(full64, anchor, [committed], embed64, head64)
+            _, logits = drafter.draft(ring, anchor, [context_len], embed, head)
+            _, logits_lo = drafter.draft(full32, anchor, [context_len], embed, head)
+            _, logits_hi = reference.draft(full64, anchor, [context_len], embed64, head64)
         report = attention_error(logits, logits_hi, logits_lo)
         if report.max_error / max(report.bound, 1e-30) >= worst / max(bound, 1e-30):
             worst, bound, worst_step = report.max_error, report.bound, step
         accepted = 1 + rng.randint(0, block_size - 1)
-        commit(committed, committed + accepted)
-        committed += accepted
+        commit(context_len, context_len + accepted)
+        context_len += accepted
         if progress is not None:
             progress("draft", step + 1)
     return SmokeResult(
-        context=context, steps=steps, final_position=committed, max_error=worst, bound=bound, worst_step=worst_step,
-        ring_kv_bytes=ring.nbytes(), full_kv_bytes=_full_bytes(full32, committed),
+        context=context, steps=steps, final_position=context_len, max_error=worst, bound=bound, worst_step=worst_step,
+        ring_kv_bytes=ring.nbytes(), full_kv_bytes=_full_bytes(full32, context_len),
         seconds=time.perf_counter() - started,
     )  # fmt: skip
 

@@ -75,21 +75,21 @@ def speculative_generate(
     bonus = int(logits[-1].argmax())
     result = SpecDecodeResult(tokens=[])
     while len(result.tokens) < max_new_tokens:
-        committed = len(tokens)
+        context_len = len(tokens)
         drafts, draft_logits = drafter.draft(
-            cache, torch.tensor([bonus]), [committed], target.embed, target.lm_head, requests=[request]
+            cache, torch.tensor([bonus]), [context_len], target.embed, target.lm_head, requests=[request]
         )
         if draft_logits is not None:
             result.draft_logits.append(draft_logits[0])
         drafts = drafts[0].tolist()
         logits, features = target([*tokens, bonus, *drafts])
-        predictions = logits[committed : committed + block].argmax(-1).tolist()
+        predictions = logits[context_len : context_len + block].argmax(-1).tolist()
         accepted = 0
         while accepted < block - 1 and drafts[accepted] == predictions[accepted]:
             accepted += 1
         new_rows = [bonus, *drafts[:accepted]]
-        positions = torch.arange(committed, committed + len(new_rows))
-        drafter.write_context(cache, request, features[committed : committed + len(new_rows)], positions)
+        positions = torch.arange(context_len, context_len + len(new_rows))
+        drafter.write_context(cache, request, features[context_len : context_len + len(new_rows)], positions)
         tokens.extend(new_rows)
         result.tokens.extend(new_rows)
         result.accepted_per_step.append(accepted)

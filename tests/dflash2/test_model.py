@@ -52,12 +52,12 @@ def drafts_from(cache_kind: str, steps: int = 6):
         cache = DraftKVCache(config, 1, kv_block_size=4)
     else:
         cache = DraftKVCache(config, 1, mode="full", max_positions=200)
-    logits, committed = [], 0
+    logits, context_len = [], 0
     with torch.no_grad():
         for end in [60] + [60 + 3 * i for i in range(1, steps + 1)]:
-            drafter.write_context(cache, 0, features[committed:end], torch.arange(committed, end))
-            committed = end
-            logits.append(drafter.draft(cache, torch.tensor([7]), [committed], embed, head)[1])
+            drafter.write_context(cache, 0, features[context_len:end], torch.arange(context_len, end))
+            context_len = end
+            logits.append(drafter.draft(cache, torch.tensor([7]), [context_len], embed, head)[1])
     return torch.stack(logits)
 
 
@@ -88,7 +88,7 @@ def test_ring_drafter_drafts_what_the_full_history_drafter_drafts(seed):
 
 def test_partial_acceptance_writes_the_accepted_rows_only(chain_models):
     """The trained drafter agrees with the chain target part of the time: every step stores exactly its bonus
-    token and accepted drafts as context (each committed position once, in order), and its drafts equal the
+    token and accepted drafts as context (each context_len position once, in order), and its drafts equal the
     full-history drafter's."""
     import random
 

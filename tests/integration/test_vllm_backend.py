@@ -244,17 +244,17 @@ def test_forward_and_kv_update_with_common_attention_metadata(causal, device):
 
 
 def _one_draft_block(device, causal: bool = False):
-    """One request at committed P = 40 (W 64, bs 16), its 8-row draft block, and a ring-row block table."""
+    """One request at context_len P = 40 (W 64, bs 16), its 8-row draft block, and a ring-row block table."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    block, committed, bs, heads, dim = 8, 40, 16, 2, 32
+    block, context_len, bs, heads, dim = 8, 40, 16, 2, 32
     table = torch.tensor([[1, 2, 3, 4, 5]], dtype=torch.int32)
     query_start_loc = torch.tensor([0, block], dtype=torch.int32)
-    positions = torch.arange(committed, committed + block)
+    positions = torch.arange(context_len, context_len + block)
     common = CommonAttentionMetadata(
         query_start_loc=query_start_loc.to(device), query_start_loc_cpu=query_start_loc,
-        seq_lens=torch.tensor([committed + block], dtype=torch.int32, device=device), num_reqs=1,
-        num_actual_tokens=block, max_query_len=block, max_seq_len=committed + block,
+        seq_lens=torch.tensor([context_len + block], dtype=torch.int32, device=device), num_reqs=1,
+        num_actual_tokens=block, max_query_len=block, max_seq_len=context_len + block,
         block_table_tensor=table.to(device), slot_mapping=(table[0, positions // bs] * bs + positions % bs).to(device),
         causal=causal,
     )  # fmt: skip

@@ -40,9 +40,9 @@ def check_invariants(manager, live, needs, initial_free) -> None:
     assert len(all_ring_blocks) == len(set(all_ring_blocks)), "two requests share a ring block"
     for rid, request in live.items():
         assert len(rings[rid]) == min(cdiv(needs[rid], plan.block_size), plan.num_blocks)
-        committed = request.num_computed_tokens
+        context_len = request.num_computed_tokens
         row = drafter.req_to_blocks[rid]
-        window_blocks = [row[j] for j in plan.live_blocks(committed) if j < len(row)]
+        window_blocks = [row[j] for j in plan.live_blocks(context_len) if j < len(row)]
         assert not any(b.is_null for b in window_blocks), f"{rid}: null block inside the live window"
         assert len({b.block_id for b in window_blocks}) == len(window_blocks), f"{rid}: live blocks alias"
     assert manager.block_pool.get_num_free_blocks() + held_by_group(manager, live) == initial_free

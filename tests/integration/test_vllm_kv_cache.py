@@ -106,8 +106,8 @@ def test_preempt_and_resume_rebuilds_a_valid_ring():
     row = drafter.req_to_blocks["p"]
     assert len(drafter.rings["p"]) == 130
     assert len(first_ring) == 130
-    committed = request.num_computed_tokens
-    live = row[(committed - 2047) // 16 : (committed + 8 + 15) // 16]
+    context_len = request.num_computed_tokens
+    live = row[(context_len - 2047) // 16 : (context_len + 8 + 15) // 16]
     assert not any(b.is_null for b in live) and len({b.block_id for b in live}) == len(live)
     manager.free(request)
     assert manager.block_pool.get_num_free_blocks() == free

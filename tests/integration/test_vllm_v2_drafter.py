@@ -72,7 +72,7 @@ class Requests:
 
     manager: object
     requests: dict = dataclasses.field(default_factory=dict)
-    committed: list[int] = dataclasses.field(default_factory=list)
+    context_len: list[int] = dataclasses.field(default_factory=list)
     rows: list[list[int]] = dataclasses.field(default_factory=list)
     history: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
     # the last target step's num_computed_tokens (what V2's gather nulls the window against)
@@ -96,7 +96,7 @@ def store_context(impl, kv_cache: torch.Tensor, chunks: dict[str, list[int]], he
             v = torch.cat([v_hist[start : start + size], torch.full((3, HKV, head_size_v), NAN)])
             impl.do_kv_cache_update(None, k, v, kv_cache, torch.cat([slots, torch.full((3,), PAD_SLOT)]))
             start += size
-        out.committed.append(total)
+        out.context_len.append(total)
         out.rows.append(drafter_row(out.manager, rid))
         out.requests[rid] = request
         out.history.append((k_hist, v_hist))
@@ -134,12 +134,12 @@ class SpeculatorBuffers:
 
     def prepare(self, requests: Requests) -> None:
         """The prepare kernel (padded past the batch) and the sliding-window gather, in place."""
-        n = len(requests.committed)
+        n = len(requests.context_len)
         self.query_start_loc.copy_(torch.arange(len(self.query_start_loc)).clamp(max=n) * LA)
         self.seq_lens.zero_()
         self.block_table.zero_()
         self.slot_mapping.fill_(PAD_SLOT)
-        for r, (p, row) in enumerate(zip(requests.committed, requests.rows, strict=True)):
+        for r, (p, row) in enumerate(zip(requests.context_len, requests.rows, strict=True)):
             self.seq_lens[r] = p + LA
             num_null = max(requests.step_start[r] - (W - 1), 0) // BS
             self.block_table[r, num_null : len(row)] = torch.tensor(row[num_null:], dtype=torch.int32)
@@ -155,9 +155,9 @@ def draft_inputs(num_tokens: int, head_size: int, head_size_v: int):
 
 
 def check_draft_output(output, q, k, v, requests: Requests, head_size: int, causal: bool) -> None:
-    tokens = len(requests.committed) * LA
+    tokens = len(requests.context_len) * LA
     expected, expected_lo = dense_oracle_rows(
-        q[:tokens].view(tokens, HQ, head_size), k[:tokens], v[:tokens], requests.history, requests.committed, LA, W,
+        q[:tokens].view(tokens, HQ, head_size), k[:tokens], v[:tokens], requests.history, requests.context_len, LA, W,
         causal,
     )  # fmt: skip
     assert_attention_close(output[:tokens].view(tokens, HQ, -1), expected, expected_lo, name="draft rows")
@@ -181,7 +181,7 @@ def test_eager_draft_step_with_padded_requests(head_size, head_size_v, causal):
     requests = store_context(impl, kv_cache, CHUNKS, head_size_v)
     buffers = SpeculatorBuffers(max_num_reqs=GRAPH_REQS)
     buffers.prepare(requests)
-    draft_max_seq_len = min(max(requests.committed) + 2 * LA, SMALL.max_model_len)
+    draft_max_seq_len = min(max(requests.context_len) + 2 * LA, SMALL.max_model_len)
     builder = RingKVBackend.get_builder_cls()(ring_spec(head_size, head_size_v, draft=True), ["drafter"], None, "cpu")
     metadata = builder.build(0, buffers.metadata(GRAPH_REQS, draft_max_seq_len, causal))
     q, k, v = draft_inputs(GRAPH_REQS * LA, head_size, head_size_v)
@@ -217,18 +217,18 @@ def test_a_target_chunk_with_a_different_value_head_size():
     """A target sliding layer's prefill chunk (``ring_prefill_attention``, more than 64 queries) with
     ``head_size_v != head_size`` (what ``supports_head_size_v`` declares): attends, then stores its live rows."""
     torch.manual_seed(2)
-    head_size, head_size_v, committed, chunk = 64, 32, 150, 70
+    head_size, head_size_v, context_len, chunk = 64, 32, 150, 70
     assert RingKVBackend.supports_head_size_v(head_size, head_size_v)
     impl = RingKVBackend.get_impl_cls()(HQ, head_size, head_size**-0.5, HKV, sliding_window=W)
     kv_cache = torch.full((SMALL.pool_blocks, HKV, BS, head_size + head_size_v), NAN)
-    requests = store_context(impl, kv_cache, {"a": [committed]}, head_size_v)
+    requests = store_context(impl, kv_cache, {"a": [context_len]}, head_size_v)
     assert requests.manager.allocate_slots(requests.requests["a"], chunk, num_lookahead_tokens=LA) is not None
     row = drafter_row(requests.manager, "a")
-    positions = torch.arange(committed, committed + chunk)
+    positions = torch.arange(context_len, context_len + chunk)
     common = CommonAttentionMetadata(
         query_start_loc=torch.tensor([0, chunk], dtype=torch.int32), query_start_loc_cpu=torch.tensor([0, chunk]),
-        seq_lens=torch.tensor([committed + chunk], dtype=torch.int32), num_reqs=1, num_actual_tokens=chunk,
-        max_query_len=chunk, max_seq_len=committed + chunk, block_table_tensor=torch.tensor([row], dtype=torch.int32),
+        seq_lens=torch.tensor([context_len + chunk], dtype=torch.int32), num_reqs=1, num_actual_tokens=chunk,
+        max_query_len=chunk, max_seq_len=context_len + chunk, block_table_tensor=torch.tensor([row], dtype=torch.int32),
         slot_mapping=slot_of(row, positions, pad_null=False), causal=True,
     )  # fmt: skip
     metadata = RingKVBackend.get_builder_cls()(
@@ -238,10 +238,10 @@ def test_a_target_chunk_with_a_different_value_head_size():
     output = torch.full((chunk, HQ * head_size_v), NAN)
     impl.forward(None, q, k, v, kv_cache, metadata, output)
     expected, expected_lo = dense_oracle_rows(
-        q.view(chunk, HQ, head_size), k, v, requests.history, [committed], chunk, W, causal=True
+        q.view(chunk, HQ, head_size), k, v, requests.history, [context_len], chunk, W, causal=True
     )
     assert_attention_close(output.view(chunk, HQ, head_size_v), expected, expected_lo, name="chunk rows")
-    last = committed + chunk - 1
+    last = context_len + chunk - 1
     slot = int(slot_of(row, torch.tensor([last])))
     stored = kv_cache.view(-1, HKV, BS, head_size + head_size_v)[slot // BS, :, slot % BS]
     assert torch.equal(stored[:, :head_size], k[-1]) and torch.equal(stored[:, head_size:], v[-1])

@@ -69,7 +69,7 @@ def test_select_config_ignores_positions():
     """Only shapes go in: nothing in the signatures depends on a request's position (CUDA-graph safe)."""
     for function in (select_attention_config, select_num_splits, select_prefill_config):
         params = set(inspect.signature(function).parameters)
-        assert not params & {"seq_lens", "positions", "max_seq_len", "context_len", "committed"}
+        assert not params & {"seq_lens", "positions", "max_seq_len", "context_len"}
 
 
 def test_select_prefill_config_splits_wide_heads_over_two_warp_groups():

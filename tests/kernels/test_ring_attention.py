@@ -164,7 +164,7 @@ def test_ring_reads_beyond_2_31_elements(kind, device):
     generator = torch.Generator().manual_seed(7)
     positions = torch.arange(context - (window - 1), context)
     rows = [torch.randn(len(positions), 1, head_dim, generator=generator).half().to(device) for _ in range(2)]
-    ring_write(*rows, k_cache, v_cache, plan.slot_mapping(positions.to(device), ring, committed_end=context))
+    ring_write(*rows, k_cache, v_cache, plan.slot_mapping(positions.to(device), ring, seq_len=context))
     q = torch.randn(queries, 4, head_dim, generator=generator).half().to(device)
     k_new, v_new = (torch.randn(queries, 1, head_dim, generator=generator).half().to(device) for _ in range(2))
     mode = BatchMode.DRAFT_BLOCK if kind == "draft" else BatchMode.PREFILL_CHUNK

@@ -55,7 +55,7 @@ def test_slot_mapping_pads_negative_and_dead_positions():
     plan = RingPlan(window=4, block_size=2, lookahead=2)  # R = cdiv(4, 2) + 1 = 3, S = 6
     ring = torch.tensor([7, 3, 5])
     positions = torch.tensor([-1, 0, 1, 2, 3, 4, 5, 6, 7])
-    slots = plan.slot_mapping(positions, ring, committed_end=8)
+    slots = plan.slot_mapping(positions, ring, seq_len=8)
     # live: positions >= 8 - 3 = 5 -> p=5: block 2 -> ring[2]=5 -> 11; p=6: block 3 -> ring[0]=7 -> 14; p=7 -> 15
     assert slots.tolist() == [PAD_SLOT] * 6 + [11, 14, 15]
     everything = plan.slot_mapping(positions, ring)
@@ -84,11 +84,11 @@ def test_live_span():
     window=st.integers(1, 300),
     block_size=st.integers(1, 40),
     lookahead=st.integers(1, 40),
-    committed=st.integers(0, 5000),
+    context_len=st.integers(0, 5000),
 )
-def test_live_blocks_map_to_distinct_physical_blocks(window, block_size, lookahead, committed):
+def test_live_blocks_map_to_distinct_physical_blocks(window, block_size, lookahead, context_len):
     plan = RingPlan(window, block_size, lookahead)
-    logical = plan.live_blocks(committed)
+    logical = plan.live_blocks(context_len)
     assert len(logical) <= plan.num_blocks
     assert len({j % plan.num_blocks for j in logical}) == len(logical)
 
@@ -99,11 +99,11 @@ class RingSimulator:
     def __init__(self, plan: RingPlan, ring: torch.Tensor) -> None:
         self.plan, self.ring = plan, ring
         self.stored: dict[int, tuple[str, int]] = {}
-        self.committed = 0
+        self.context_len = 0
 
-    def write(self, positions: range, kind: str, committed_end: int | None) -> None:
+    def write(self, positions: range, kind: str, seq_len: int | None) -> None:
         pos = torch.tensor(list(positions), dtype=torch.int64)
-        slots = self.plan.slot_mapping(pos, self.ring, committed_end=committed_end)
+        slots = self.plan.slot_mapping(pos, self.ring, seq_len=seq_len)
         kept = slots[slots >= 0].tolist()
         assert len(kept) == len(set(kept)), "one launch writes a slot twice (parallel writers would race)"
         for p, s in zip(pos.tolist(), slots.tolist(), strict=True):
@@ -112,8 +112,8 @@ class RingSimulator:
 
     def assert_window_intact(self) -> None:
         """Every context position the next block's queries can see is in its own slot."""
-        lo = first_visible_position(self.committed, self.plan.window)
-        pos = torch.arange(lo, self.committed)
+        lo = first_visible_position(self.context_len, self.plan.window)
+        pos = torch.arange(lo, self.context_len)
         for p, s in zip(pos.tolist(), self.plan.slot_mapping(pos, self.ring).tolist(), strict=True):
             assert self.stored.get(s) == ("ctx", p), f"position {p} (slot {s}) holds {self.stored.get(s)}"
 
@@ -138,22 +138,22 @@ def test_random_step_sequences_never_overwrite_a_live_window(window, block_size,
     sim = RingSimulator(plan, ring)
     for action in steps:
         if action[0] == "prefill":
-            end = sim.committed + action[1]
-            sim.write(range(sim.committed, end), "ctx", committed_end=end)
-            sim.committed = end
+            end = sim.context_len + action[1]
+            sim.write(range(sim.context_len, end), "ctx", seq_len=end)
+            sim.context_len = end
         else:
             block = min(action[1], lookahead)
             # the drafter's block K/V land at the future slots P..P+B-1 (vLLM style), then attention reads
-            sim.write(range(sim.committed, sim.committed + block), "block", committed_end=None)
+            sim.write(range(sim.context_len, sim.context_len + block), "block", seq_len=None)
             sim.assert_window_intact()
             # the target verifies B rows; the accepted prefix becomes context, the rejected suffix is
             # either PAD (V2) or written anyway (V1 padded mode) and must not harm the window
             accepted = min(action[2], block - 1) + 1
-            end = sim.committed + accepted
+            end = sim.context_len + accepted
             if action[3]:
-                sim.write(range(end, sim.committed + block), "rejected", committed_end=end)
-            sim.write(range(sim.committed, end), "ctx", committed_end=end)
-            sim.committed = end
+                sim.write(range(end, sim.context_len + block), "rejected", seq_len=end)
+            sim.write(range(sim.context_len, end), "ctx", seq_len=end)
+            sim.context_len = end
         sim.assert_window_intact()
 
 

@@ -41,7 +41,7 @@ def test_ring_write_matches_reference(order, dtype, heads, head_dim, device):
     ring = torch.randperm(num_blocks)[: plan.num_blocks]
     # a chunk longer than the ring: positions 0..299 end at 300; only the last W-1 = 36 survive
     positions = torch.arange(0, 300)
-    slots = plan.slot_mapping(positions, ring, committed_end=300)
+    slots = plan.slot_mapping(positions, ring, seq_len=300)
     slots[5] = -1  # an explicit PAD among the dead rows is skipped as well
     k = torch.randn(300, heads, head_dim).to(dtype)
     v = torch.randn(300, heads, head_dim).to(dtype)
