@@ -268,8 +268,9 @@ def _caches(num_blocks: int, head_dim: int, dtype: Any) -> tuple[Any, Any]:
     return torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
 
 
-def launch_decode(num_reqs: int, group: int, head_dim: int) -> None:
-    """``ring_attention`` on N draft blocks of 8 at the DFlash2 ring (W 2048, bs 16, R 130), bf16, non-causal."""
+def launch_decode(num_reqs: int, group: int, head_dim: int, context: int = CONTEXT) -> None:
+    """``ring_attention`` on N draft blocks of 8 after ``context`` positions at the DFlash2 ring (W 2048, bs 16,
+    R 130), bf16, non-causal."""
     import torch
     from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention
 
@@ -279,9 +280,9 @@ def launch_decode(num_reqs: int, group: int, head_dim: int) -> None:
     k_new, v_new = (torch.empty(tokens, NUM_KV_HEADS, head_dim, dtype=torch.bfloat16) for _ in range(2))
     batch = VarlenBatch(
         query_start_loc=torch.arange(0, tokens + 1, DRAFT_BLOCK, dtype=torch.int32),
-        seq_lens=torch.full((num_reqs,), CONTEXT + DRAFT_BLOCK, dtype=torch.int32),
+        seq_lens=torch.full((num_reqs,), context + DRAFT_BLOCK, dtype=torch.int32),
         block_table=torch.zeros(num_reqs, ring, dtype=torch.int32), max_query_len=DRAFT_BLOCK,
-        max_seq_len=CONTEXT + DRAFT_BLOCK, table_period=ring, mode=BatchMode.DRAFT_BLOCK,
+        max_seq_len=context + DRAFT_BLOCK, table_period=ring, mode=BatchMode.DRAFT_BLOCK,
     )  # fmt: skip
     ring_attention(q, k_new, v_new, *_caches(ring + 1, head_dim, torch.bfloat16), batch, window=WINDOW, causal=False)
 
@@ -352,14 +353,15 @@ def report_rows(case_list: list[Case], archs: tuple[int, ...]) -> list[dict]:
 
 
 def keys_over_batch(max_reqs: int, groups_dims: list[tuple[int, int]], arch: int = 90) -> dict[str, dict[str, int]]:
-    """Distinct specialisations (= compiled kernels) per decode shape and kernel over N = 1..max_reqs requests."""
+    """Distinct specialisations (= compiled kernels) per decode shape and kernel over N = 1..max_reqs requests,
+    each batch at another context length (positions must not specialise either)."""
     found: dict[str, dict[str, set[str]]] = {}
     native = NativeLaunches(arch, compile=False, kv_lines=None)
     with cpu_stand_ins(), native.intercept(ringkv_kernels()):
         for group, head_dim in groups_dims:
             first = len(native.launched)
             for num_reqs in range(1, max_reqs + 1):
-                launch_decode(num_reqs, group, head_dim)
+                launch_decode(num_reqs, group, head_dim, context=num_reqs * 1021 % CONTEXT)
             per_kernel = found.setdefault(f"G{group}-D{head_dim}", {})
             for kernel, key, _ in native.launched[first:]:
                 per_kernel.setdefault(kernel, set()).add(key)
