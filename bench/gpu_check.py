@@ -131,8 +131,9 @@ def vllm_unified_call(unified, args: dict, shape: DrafterShape, block: int, cont
     ``P..P+B-1``, which never alias live context), and each ring row becomes vLLM's periodic logical row
     (column ``j`` -> ``ring[j mod R]``). Returns the call; its result is in the dense ``[N, Hq, B, D]`` layout."""
     import torch
+    import triton
     from ringkv.kernels import ring_write
-    from ringkv.kernels.ring_geometry import cdiv, table_slot_mapping, varlen_positions
+    from ringkv.kernels.ring_geometry import table_slot_mapping, varlen_positions
 
     batch, k_cache, v_cache = args["batch"], args["k_cache"], args["v_cache"]
     num_tokens = args["q"].shape[0]
@@ -140,7 +141,7 @@ def vllm_unified_call(unified, args: dict, shape: DrafterShape, block: int, cont
     slots = table_slot_mapping(positions, batch.block_table, block_size=shape.block_size, window=shape.window,
                                period=batch.period, request_index=request)  # fmt: skip
     ring_write(args["k_new"], args["v_new"], k_cache, v_cache, slots)
-    columns = torch.arange(cdiv(context_len + block, shape.block_size), device=k_cache.device) % batch.period
+    columns = torch.arange(triton.cdiv(context_len + block, shape.block_size), device=k_cache.device) % batch.period
     table = batch.block_table[:, columns].contiguous()
     out = torch.empty_like(args["q"])
 
@@ -267,6 +268,7 @@ def graph_calls(calls: list) -> list:
 
 def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, unified=None) -> list[dict]:
     import torch
+    import triton
     from ringkv.kernels import ring_attention
     from ringkv.kernels.tolerance import attention_error
 
@@ -282,7 +284,7 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, un
         for block, num_reqs in grid:
             context_len = 262_136 if not smoke else 100
             per_set = 2 * num_reqs * (shape.window - 1 + block) * shape.num_kv_heads * shape.head_dim * dtype.itemsize
-            num_sets = 1 if smoke else max(1, min(32, -(-COLD_SETS_BYTES // per_set)))
+            num_sets = 1 if smoke else max(1, min(32, triton.cdiv(COLD_SETS_BYTES, per_set)))
             batches = [build_batch(shape, num_reqs, block, context_len, dtype, device, seed=s) for s in range(num_sets)]
             args, dense, ctx_len = batches[0]
             outs = [torch.empty_like(b[0]["q"]) for b in batches]

@@ -7,10 +7,11 @@ import hashlib
 from dataclasses import dataclass, field
 
 import torch
+import triton
 from ringkv.kernels.attention_inputs import KV_STRIDE_ELEMENTS
 from ringkv.kernels.oracle import dense_history_attention
 from ringkv.kernels.reference import ring_attention_reference, ring_write_reference
-from ringkv.kernels.ring_geometry import RingPlan, cdiv, first_visible_position
+from ringkv.kernels.ring_geometry import RingPlan, first_visible_position
 from ringkv.kernels.tolerance import attention_error
 from ringkv.kernels.varlen import BatchMode, VarlenBatch
 
@@ -73,7 +74,7 @@ class RingCase:
 
 def aligned_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """A NaN-filled ``[num_blocks, bs, H, D]`` view of storage with D padded to a multiple of 16 elements."""
-    padded = cdiv(shape[-1], KV_STRIDE_ELEMENTS) * KV_STRIDE_ELEMENTS
+    padded = triton.cdiv(shape[-1], KV_STRIDE_ELEMENTS) * KV_STRIDE_ELEMENTS
     return torch.full((*shape[:-1], padded), NAN, dtype=dtype, device=device)[..., : shape[-1]]
 
 
@@ -118,7 +119,7 @@ def make_ring_case(
     physical = (torch.randperm(num_blocks - 1, generator=generator) + 1)[: ring_blocks * num_reqs]
     rings = physical.view(num_reqs, ring_blocks).to(torch.int32)
     if full_rows:
-        width = max(cdiv(p + b, block_size) for p, b in requests) + 1
+        width = max(triton.cdiv(p + b, block_size) for p, b in requests) + 1
         logical = torch.arange(width)
         block_table = rings[:, logical % ring_blocks].clone()
         for r, (p, _) in enumerate(requests):
