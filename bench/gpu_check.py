@@ -422,7 +422,7 @@ def drafter_smoke(device, smoke: bool) -> dict:
     from ringkv.dflash2.harness.smoke import run_smoke
 
     result = run_smoke(context=262_144 if not smoke else 3000, steps=32 if not smoke else 2, device=str(device))
-    return {**asdict(result), "ok": result.ok}
+    return {**asdict(result), "ok": result.error.ok}
 
 
 def gpu_check(out: Path, smoke: bool, budget_s: float, skip_tests: bool, shapes: list[str],
