@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -189,6 +190,20 @@ def reference_pair(case: RingCase) -> tuple[torch.Tensor, torch.Tensor]:
     lo_dtype = case.q.dtype if case.q.dtype != torch.float32 else torch.float32
     ref_lo = ring_attention_reference(**args, compute_dtype=lo_dtype)
     return ref_hi, ref_lo
+
+
+def assert_kernel_matches_reference(
+    kernel: Callable[..., torch.Tensor], case: RingCase, device: torch.device | str, **options: object
+) -> None:
+    """``kernel(**case.kernel_args(), out=out, **options)`` on ``device`` holds the tolerance rule against
+    ``reference_pair(case)`` and leaves the NaN padding rows past ``query_start_loc[-1]`` unwritten."""
+    ref_hi, ref_lo = reference_pair(case)
+    case = case.to(device)
+    out = torch.full_like(ref_hi, NAN, device=device)
+    kernel(**case.kernel_args(), out=out, **options)
+    real = int(case.query_start_loc[-1])
+    assert torch.isnan(out[real:]).all(), f"{kernel.__name__}: padding rows past query_start_loc[-1] were written"
+    assert_attention_close(out[:real].cpu(), ref_hi[:real], ref_lo[:real], name=kernel.__name__, case=case)
 
 
 def describe_index(case: RingCase | None, token: int) -> str:
