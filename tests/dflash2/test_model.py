@@ -121,5 +121,5 @@ def test_partial_acceptance_writes_the_accepted_rows_only(chain_models):
 
 def test_long_context_smoke_at_ci_size():
     result = run_smoke(context=5000, steps=6, chunk=2048, window=2048, block_size=8)
-    assert result.ok, result
+    assert result.error.ok, result
     assert result.ring_kv_bytes < result.full_kv_bytes
