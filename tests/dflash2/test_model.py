@@ -115,7 +115,9 @@ def test_partial_acceptance_writes_the_accepted_rows_only(chain_models):
     assert min(ring.accepted_per_step) == 0 and max(ring.accepted_per_step) == spec.num_speculative_tokens
     assert written == list(range(len(prompt) + sum(a + 1 for a in ring.accepted_per_step)))
     for step, (got, want) in enumerate(zip(ring.draft_logits, full.draft_logits, strict=True)):
-        report = attention_error(got, want.double(), want)
+        # the trained drafter's logits reach ~100: held to the fp32 bound relative to their largest magnitude
+        scale = want.abs().max()
+        report = attention_error(got / scale, want.double() / scale, want / scale)
         assert report.ok, f"step {step}: {report}"
 
 

@@ -34,15 +34,16 @@ from ringkv.integration.vllm._compat import CommonAttentionMetadata, dflash_spec
 from ringkv.integration.vllm.backend import RingKVBackend
 from ringkv.integration.vllm.kv_cache import RingSWASpec
 from ringkv.kernels.ring_geometry import PAD_SLOT
+from ringkv.kernels.shapes import DrafterShape
 
-from tests.testing import NAN, assert_attention_close, dense_oracle_rows
+from tests.testing import NAN, assert_attention_close, oracle_pair
 
 pytestmark = [pytest.mark.vllm, pytest.mark.interpreter]
 
 # W 64, bs 16, N 7: R = cdiv(64 + 8 - 2, 16) + 1 = 6 blocks per request
-SMALL = Deployment(pool_blocks=200, target_groups=1, target_block_size=64, drafter_window=64, drafter_block_size=16,
-                   num_speculative_tokens=7, max_model_len=4096, max_num_batched_tokens=256)  # fmt: skip
-BS, W, LA = SMALL.drafter_block_size, SMALL.drafter_window, SMALL.lookahead
+SMALL = Deployment(pool_blocks=200, target_groups=1, target_block_size=64, max_model_len=4096,
+                   max_num_batched_tokens=256, drafter=DrafterShape(window=64, block_size=16, num_speculative_tokens=7))
+BS, W, LA = SMALL.drafter.block_size, SMALL.drafter.window, SMALL.drafter.lookahead
 WIDTH = triton.cdiv(SMALL.max_model_len, BS)  # V2's row width: max_num_blocks_per_req(max_model_len)
 HKV, HQ = 2, 8
 HAS_IS_DRAFT = any(f.name == "is_draft" for f in dataclasses.fields(RingSWASpec))
@@ -155,10 +156,18 @@ def draft_inputs(num_tokens: int, head_size: int, head_size_v: int):
     )
 
 
+def oracle_rows(q, k, v, histories, context_lens: list[int], block: int, causal: bool):
+    """(ref_hi, ref_lo) of equal blocks of ``block`` rows at ``context_lens`` over full histories (positions 0..)."""
+    starts = torch.arange(0, block * len(context_lens) + 1, block)
+    seq_lens = torch.tensor([p + block for p in context_lens])
+    dense = [(0, k_hist[:p], v_hist[:p]) for (k_hist, v_hist), p in zip(histories, context_lens, strict=True)]
+    return oracle_pair(q, k, v, dense, starts, seq_lens, window=W, causal=causal)
+
+
 def check_draft_output(output, q, k, v, requests: Requests, head_size: int, causal: bool) -> None:
     tokens = len(requests.context_len) * LA
-    expected, expected_lo = dense_oracle_rows(
-        q[:tokens].view(tokens, HQ, head_size), k[:tokens], v[:tokens], requests.history, requests.context_len, LA, W,
+    expected, expected_lo = oracle_rows(
+        q[:tokens].view(tokens, HQ, head_size), k[:tokens], v[:tokens], requests.history, requests.context_len, LA,
         causal,
     )  # fmt: skip
     assert_attention_close(output[:tokens].view(tokens, HQ, -1), expected, expected_lo, name="draft rows")
@@ -238,8 +247,8 @@ def test_a_target_chunk_with_a_different_value_head_size():
     q, k, v = draft_inputs(chunk, head_size, head_size_v)
     output = torch.full((chunk, HQ * head_size_v), NAN)
     impl.forward(None, q, k, v, kv_cache, metadata, output)
-    expected, expected_lo = dense_oracle_rows(
-        q.view(chunk, HQ, head_size), k, v, requests.history, [context_len], chunk, W, causal=True
+    expected, expected_lo = oracle_rows(
+        q.view(chunk, HQ, head_size), k, v, requests.history, [context_len], chunk, causal=True
     )
     assert_attention_close(output.view(chunk, HQ, head_size_v), expected, expected_lo, name="chunk rows")
     last = context_len + chunk - 1
