@@ -41,8 +41,14 @@ from tests.testing import NAN, assert_attention_close, oracle_pair
 pytestmark = [pytest.mark.vllm, pytest.mark.interpreter]
 
 # W 64, bs 16, N 7: R = cdiv(64 + 8 - 2, 16) + 1 = 6 blocks per request
-SMALL = Deployment(pool_blocks=200, target_groups=1, target_block_size=64, max_model_len=4096,
-                   max_num_batched_tokens=256, drafter=DrafterShape(window=64, block_size=16, num_speculative_tokens=7))
+SMALL = Deployment(
+    pool_blocks=200,
+    target_groups=1,
+    target_block_size=64,
+    max_model_len=4096,
+    max_num_batched_tokens=256,
+    drafter=DrafterShape(window=64, block_size=16, num_speculative_tokens=7),
+)
 BS, W, LA = SMALL.drafter.block_size, SMALL.drafter.window, SMALL.drafter.lookahead
 WIDTH = triton.cdiv(SMALL.max_model_len, BS)  # V2's row width: max_num_blocks_per_req(max_model_len)
 HKV, HQ = 2, 8
