@@ -23,9 +23,10 @@ import torch
 from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, ring_prefill_attention, ring_write
 from ringkv.kernels.attention_inputs import KV_STRIDE_ELEMENTS
 from ringkv.kernels.configs import MAX_SPLITS
-from ringkv.kernels.ring_geometry import PAD_SLOT, UNBOUNDED_WINDOW, cdiv
+from ringkv.kernels.ring_geometry import PAD_SLOT, UNBOUNDED_WINDOW
 from ringkv.kernels.tolerance import attention_error
 from ringkv.kernels.varlen import MAX_QUERY_LEN, MAX_SEQ_LEN
+from triton import cdiv
 
 from tests.testing import NAN, assert_attention_close, oracle_pair, stable_seed
 
