@@ -12,7 +12,8 @@
    from a vllm install or a carried, uncommitted copy), each provider checked against ringkv's output, baselines
    stopped at ``--budget-s``; prefill chunks C = 512/2048/8192 (TFLOP/s by
    the keys each row sees) beside FlexAttention;
-3. the drafter-level smoke (``ringkv smoke``) at 262,144 positions, natively.
+3. the drafter-level smoke (``ringkv smoke``) at 262,144 positions, natively;
+4. V2's DFlash drafter step on the ring backend, CUDA-graph captured and replayed (``v2_replay.py``).
 
 Usage: ``bash bench/on_gpu.sh --out $OUT`` on the GPU (``ringkv bench gpu-check`` where installed); ``--smoke``
 runs a tiny CPU/interpreter version of every step (what CI runs to keep this script working).
@@ -32,6 +33,7 @@ from pathlib import Path
 from ringkv.kernels.shapes import ISSUE_55800, DrafterShape
 
 from .records import REPO, environment
+from .v2_replay import v2_replay_rows
 
 HBM_BYTES_PER_S = 4.3e12
 
@@ -447,12 +449,14 @@ def gpu_check(out: Path, smoke: bool, budget_s: float, skip_tests: bool, shapes:
     report["prefill"] = prefill_rows(device, smoke, budget_s)
     report["drafter_smoke"] = drafter_smoke(device, smoke)
     print("drafter smoke:", report["drafter_smoke"], flush=True)
-    for row in report["timing"] + report["prefill"]:
+    report["v2_replay"] = v2_replay_rows(shape, device, smoke)
+    for row in report["timing"] + report["prefill"] + report["v2_replay"]:
         print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / ("gpu_check_smoke.json" if smoke else "gpu_check.json")).write_text(json.dumps(report, indent=1))
     failed = [r for r in report["bf16"] if not (r["ok"] and r["bitwise_repeats"])]
     failed += [] if report["drafter_smoke"]["ok"] else [report["drafter_smoke"]]
+    failed += [r for r in report["v2_replay"] if not r["ok"]]
     failed += [
         r for r in report["timing"] + report["prefill"] if r["provider"].startswith("ringkv") and not r.get("ok", False)
     ]

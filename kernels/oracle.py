@@ -4,7 +4,8 @@ masked by ``ring_geometry.visible``, computed in fp64 by default.
 
 This module holds the masked-softmax formula once: the ring reference (``reference.py``) gathers its keys
 through the ring and calls ``attention_by_position``; the tests, the harness's full-history cache and
-``bench/gpu_check.py`` call ``dense_history_attention`` / ``attention_by_position`` on dense histories.
+``bench/gpu_check.py`` call ``dense_history_attention`` / ``attention_by_position`` on dense histories, and
+``oracle_pair`` gives the tolerance rule's (fp64, same-dtype) pair (tests, ``bench/v2_replay.py``).
 Needs only torch (``gpu_check`` imports it on a GPU machine without vLLM).
 
 Semantics of an empty row (a query that sees no key; impossible for a drafter, defined anyway): output 0, as
@@ -123,3 +124,24 @@ def dense_history_attention(
             window=window, causal=causal, scale=scale, compute_dtype=compute_dtype,
         )  # fmt: skip
     return out
+
+
+def oracle_pair(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    histories: list[tuple[int, torch.Tensor, torch.Tensor]],
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    window: int,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ref_hi, ref_lo) of the tolerance rule from the dense oracle (``dense_history_attention``): fp64, and the
+    batch's own dtype with the ops reordered (flash-attention's ``reorder_ops``: Q scaled in its dtype before the
+    dot, as the kernels do, not the scores after it)."""
+    rest = (k_new, v_new, histories, query_start_loc, seq_lens)
+    ref_hi = dense_history_attention(q, *rest, window=window, causal=causal, compute_dtype=torch.float64)
+    scaled_q = q * q.shape[-1] ** -0.5
+    ref_lo = dense_history_attention(scaled_q, *rest, window=window, causal=causal, scale=1.0, compute_dtype=q.dtype)
+    return ref_hi, ref_lo

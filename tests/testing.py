@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 from ringkv.kernels.attention_inputs import KV_STRIDE_ELEMENTS
-from ringkv.kernels.oracle import dense_history_attention
+from ringkv.kernels.oracle import oracle_pair
 from ringkv.kernels.reference import ring_attention_reference, ring_write_reference
 from ringkv.kernels.ring_geometry import RingPlan, first_visible_position
 from ringkv.kernels.tolerance import attention_error
@@ -154,27 +154,6 @@ def make_ring_case(
         q, k_new, v_new, k_cache, v_cache, block_table, starts, seq_lens, window, causal,
         table_period, plan, history, seed, mode,
     )  # fmt: skip
-
-
-def oracle_pair(
-    q: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
-    histories: list[tuple[int, torch.Tensor, torch.Tensor]],
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    window: int,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ref_hi, ref_lo) of the tolerance rule from the dense oracle (``dense_history_attention``): fp64, and the
-    batch's own dtype with the ops reordered (flash-attention's ``reorder_ops``: Q scaled in its dtype before the
-    dot, as the kernels do, not the scores after it)."""
-    rest = (k_new, v_new, histories, query_start_loc, seq_lens)
-    ref_hi = dense_history_attention(q, *rest, window=window, causal=causal, compute_dtype=torch.float64)
-    scaled_q = q * q.shape[-1] ** -0.5
-    ref_lo = dense_history_attention(scaled_q, *rest, window=window, causal=causal, scale=1.0, compute_dtype=q.dtype)
-    return ref_hi, ref_lo
 
 
 def case_oracle_pair(case: RingCase) -> tuple[torch.Tensor, torch.Tensor]:

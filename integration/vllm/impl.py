@@ -13,18 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from ringkv.kernels import BatchMode, VarlenBatch, ring_attention, ring_prefill_attention, ring_write
-from ringkv.kernels.attention_inputs import MAX_QUERY_LEN
-from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, last_writer_slots, live_write_slots
+from ringkv.kernels import ring_write
+from ringkv.kernels.backend_step import attend, split_kv_cache, store_rows, vllm_batch
+from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, live_write_slots
 
 from ._compat import AttentionImpl, AttentionLayer, AttentionType
 from .metadata import RingAttentionMetadata
-
-
-def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's per-layer ``[num_blocks, H, N, hs + hs_v]`` -> K and V views ``[num_blocks, N, H, hs]``."""
-    blocks_first = kv_cache.transpose(1, 2)
-    return blocks_first[..., :head_size], blocks_first[..., head_size:]
 
 
 class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
@@ -85,23 +79,16 @@ class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
             return output.fill_(0)
         md = attn_metadata
         n = md.num_actual_tokens
-        k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
         q = query[:n].view(n, self.num_heads, self.head_size)
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, -1)
-        mode = BatchMode.DRAFT_BLOCK if md.max_query_len <= MAX_QUERY_LEN else BatchMode.PREFILL_CHUNK
-        attend = ring_attention if mode is BatchMode.DRAFT_BLOCK else ring_prefill_attention
-        options = {"write_ring": False} if attend is ring_prefill_attention else {}
-        batch = VarlenBatch(md.query_start_loc, md.seq_lens, md.block_table, md.max_query_len, md.max_seq_len,
-                            table_period=None, mode=mode)  # fmt: skip
-        attend(
-            q, k, v, k_cache, v_cache, batch, window=self.window, causal=md.causal, scale=self.scale,
-            out=output[:n].view(n, self.num_heads, -1), **options,
-        )  # fmt: skip
+        batch = vllm_batch(md.query_start_loc, md.seq_lens, md.block_table, md.max_query_len, md.max_seq_len)
+        attend(q, k, v, kv_cache, batch, window=self.window, causal=md.causal, scale=self.scale,
+               out=output[:n].view(n, self.num_heads, -1))  # fmt: skip
         if md.persist_new_rows and n:
             # write-after-read: the chunk's first queries needed the history these rows may replace
             slots = live_write_slots(md.slot_mapping, md.query_start_loc, md.seq_lens, n, self.window)
-            ring_write(k, v, k_cache, v_cache, slots)
+            ring_write(k, v, *split_kv_cache(kv_cache, self.head_size), slots)
         return output
 
     def do_kv_cache_update(
@@ -114,12 +101,6 @@ class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
     ) -> None:
         """Store context K/V rows at their ring slots; PAD (< 0) and superseded duplicates are skipped."""
         n = key.shape[0]
-        k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
-        ring_write(
-            key.view(n, self.num_kv_heads, self.head_size),
-            value.view(n, self.num_kv_heads, -1),
-            k_cache,
-            v_cache,
-            # computed from this call's slots every time: vLLM fills its slot buffers in place
-            last_writer_slots(slot_mapping[:n]),
+        store_rows(
+            key.view(n, self.num_kv_heads, self.head_size), value.view(n, self.num_kv_heads, -1), kv_cache, slot_mapping
         )

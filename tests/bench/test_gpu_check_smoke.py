@@ -25,6 +25,7 @@ def test_gpu_check_smoke(tmp_path):
     providers = {row["provider"] for row in report["timing"]}
     assert providers == {"ringkv", "torch-sdpa", "torch-flex"}
     assert all("error" not in row for row in report["timing"]), report["timing"]
+    assert report["v2_replay"] and all(row["ok"] for row in report["v2_replay"]), report["v2_replay"]
 
 
 def test_only_the_cuda_graph_provider_off_the_smoke_path_takes_do_bench_cudagraph(monkeypatch):

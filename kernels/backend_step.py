@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ring backend's kernel calls on vLLM's per-layer cache, vLLM-free: ``RingKVImpl`` runs these, and
+``bench/v2_replay.py`` drives them on a GPU machine without vLLM exactly as the impl does.
+
+vLLM's per-layer cache is ``[num_blocks, Hkv, bs, D + Dv]``: K in the first ``D`` channels, V after them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ring_attention import ring_attention
+from .ring_geometry import last_writer_slots
+from .ring_prefill import ring_prefill_attention
+from .ring_write import ring_write
+from .varlen import MAX_QUERY_LEN, BatchMode, VarlenBatch
+
+
+def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's per-layer ``[num_blocks, H, N, hs + hs_v]`` -> K and V views ``[num_blocks, N, H, hs]``."""
+    blocks_first = kv_cache.transpose(1, 2)
+    return blocks_first[..., :head_size], blocks_first[..., head_size:]
+
+
+def store_rows(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``do_kv_cache_update``: store ``key [n, Hkv, D]`` / ``value [n, Hkv, Dv]`` at ``slot_mapping[:n]``; PAD
+    (< 0) and superseded duplicates (all but a slot's last writer) are skipped. The last writers are computed from
+    this call's slots every time: vLLM fills its slot buffers in place."""
+    n = key.shape[0]
+    ring_write(key, value, *split_kv_cache(kv_cache, key.shape[-1]), last_writer_slots(slot_mapping[:n]))
+
+
+def attend(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: VarlenBatch,
+    *,
+    window: int,
+    causal: bool,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """``forward``'s attention, ring read only: ``q [n, Hq, D]``, ``key [n, Hkv, D]``, ``value [n, Hkv, Dv]``,
+    ``out [n, Hq, Dv]``; a ``BatchMode.DRAFT_BLOCK`` batch goes to ``ring_attention``, a chunk to
+    ``ring_prefill_attention`` (which then leaves the ring to the caller)."""
+    k_cache, v_cache = split_kv_cache(kv_cache, q.shape[-1])
+    args = (q, key, value, k_cache, v_cache, batch)
+    if batch.mode is BatchMode.DRAFT_BLOCK:
+        ring_attention(*args, window=window, causal=causal, scale=scale, out=out)
+    else:
+        ring_prefill_attention(*args, window=window, causal=causal, scale=scale, out=out, write_ring=False)
+
+
+def vllm_batch(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, max_query_len: int,
+    max_seq_len: int,
+) -> VarlenBatch:  # fmt: skip
+    """vLLM's metadata as a batch: ``query_start_loc [num_reqs + 1]``, ``seq_lens [num_reqs]``, full logical block
+    rows ``[num_reqs, width]`` (no period); a draft block up to ``MAX_QUERY_LEN`` rows, a prefill chunk past it."""
+    mode = BatchMode.DRAFT_BLOCK if max_query_len <= MAX_QUERY_LEN else BatchMode.PREFILL_CHUNK
+    return VarlenBatch(query_start_loc, seq_lens, block_table, max_query_len, max_seq_len, table_period=None, mode=mode)
