@@ -234,7 +234,11 @@ def ring_attention(
     if batch.num_reqs == 0 or num_tokens == 0:
         return out
     config: AttentionConfig = select_attention_config(
-        group_size=inputs.group_size, head_dim=head_dim, head_dim_v=head_dim_v, block_size=k_cache.shape[1]
+        group_size=inputs.group_size,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        block_size=k_cache.shape[1],
+        kv_fp8=inputs.cache.fp8,
     )
     num_m_blocks = cdiv(batch.max_query_len, config.queries_per_block)
     if num_splits is None:

@@ -21,6 +21,8 @@ def test_gpu_check_smoke(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "gpu_check_smoke.json").read_text())
     assert all(row["ok"] and row["bitwise_repeats"] for row in report["bf16"])
+    assert {row["kv_cache_dtype"] for row in report["bf16"]} == {"auto", "fp8_e4m3"}
+    assert {row["kv_cache_dtype"] for row in report["timing"] if row["provider"] == "ringkv"} == {"auto", "fp8_e4m3"}
     providers = {row["provider"] for row in report["timing"]}
     assert providers == {"ringkv", "torch-sdpa", "torch-flex"}
     assert all("error" not in row for row in report["timing"]), report["timing"]
