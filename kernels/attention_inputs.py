@@ -102,18 +102,11 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads:
 
 
 def check_ring_cache(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    *,
-    dtype: torch.dtype,
-    num_kv_heads: int,
-    head_dim: int,
-    head_dim_v: int,
+    cache: RingCache, *, dtype: torch.dtype, num_kv_heads: int, head_dim: int, head_dim_v: int
 ) -> RingCache:
     """Cache views for rows of compute ``dtype`` (one of ``SUPPORTED_DTYPES``, checked by the caller): the same
-    dtype, or one fp8 dtype for both with both scales."""
+    dtype, or one fp8 dtype for both with both scales (returned as [1] fp32)."""
+    k_cache, v_cache, k_scale, v_scale = cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale
     check_cache_pair(k_cache, v_cache, num_kv_heads, head_dim, head_dim_v)
     if k_cache.dtype not in FP8_DTYPES and v_cache.dtype not in FP8_DTYPES:
         if k_cache.dtype != dtype or v_cache.dtype != dtype:
@@ -125,7 +118,7 @@ def check_ring_cache(
             raise ValueError(
                 f"k_scale/v_scale were given for a {k_cache.dtype} cache; scales apply to fp8 caches only: drop them"
             )
-        return RingCache(k_cache, v_cache, None, None)
+        return cache
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}; view both as one fp8 dtype")
     return RingCache(k_cache, v_cache, check_scale("k_scale", k_scale, k_cache.device),
@@ -157,16 +150,13 @@ def validate_attention_inputs(
     q: torch.Tensor,
     k_new: torch.Tensor,
     v_new: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: RingCache,
     batch: VarlenBatch,
     *,
     mode: BatchMode,
     window: int,
     scale: float | None,
     out: torch.Tensor | None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
 ) -> AttentionInputs:
     """Check a launcher's tensors against each other and against ``batch`` (validated when it was built);
     ``mode`` is the batch mode the launcher takes. Allocates ``out``."""
@@ -199,9 +189,10 @@ def validate_attention_inputs(
             raise ValueError(f"{name}={dim} is not supported; ring_attention handles 1..{MAX_HEAD_DIM}")
     for name, tensor in (("q", q), ("k_new", k_new), ("v_new", v_new)):
         _check_inner_contiguous(name, tensor)
-    cache = check_ring_cache(k_cache, v_cache, k_scale, v_scale, dtype=q.dtype, num_kv_heads=num_kv_heads,
-                             head_dim=head_dim, head_dim_v=head_dim_v)  # fmt: skip
-    check_same_device({"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache,
+    cache = check_ring_cache(cache, dtype=q.dtype, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                             head_dim_v=head_dim_v)  # fmt: skip
+    k_cache = cache.k_cache
+    check_same_device({"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": cache.v_cache,
                        **batch.tensors()})  # fmt: skip
     if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= UNBOUNDED_WINDOW:
         raise ValueError(

@@ -24,7 +24,7 @@ from ._tiles import (
     ring_tile_count,
 )
 from ._triton_utils import device_sms, is_interpreter, next_pow2
-from .attention_inputs import AttentionInputs, validate_attention_inputs
+from .attention_inputs import AttentionInputs, RingCache, validate_attention_inputs
 from .configs import MAX_SPLITS, AttentionConfig, select_attention_config, select_num_splits
 from .ring_geometry import cdiv
 from .varlen import BatchMode, VarlenBatch
@@ -223,8 +223,8 @@ def ring_attention(
         [T, Hq, Dv] in ``q.dtype``; rows past ``query_start_loc[-1]`` are left as they were.
     """
     inputs: AttentionInputs = validate_attention_inputs(
-        q, k_new, v_new, k_cache, v_cache, batch, mode=BatchMode.DRAFT_BLOCK, window=window, scale=scale, out=out,
-        k_scale=k_scale, v_scale=v_scale,
+        q, k_new, v_new, RingCache(k_cache, v_cache, k_scale, v_scale), batch, mode=BatchMode.DRAFT_BLOCK,
+        window=window, scale=scale, out=out,
     )  # fmt: skip
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits={num_splits!r} must be an int >= 1 or None")

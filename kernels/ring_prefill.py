@@ -23,7 +23,7 @@ from ._tiles import (
     ring_tile_count,
 )
 from ._triton_utils import is_interpreter
-from .attention_inputs import validate_attention_inputs
+from .attention_inputs import RingCache, validate_attention_inputs
 from .configs import PrefillConfig, select_prefill_config
 from .ring_attention import LOG2E
 from .ring_geometry import last_writer_slots, live_write_slots, table_slot_mapping, varlen_positions
@@ -182,8 +182,8 @@ def ring_prefill_attention(
         [T, Hq, Dv] in ``q.dtype``.
     """
     inputs = validate_attention_inputs(
-        q, k_new, v_new, k_cache, v_cache, batch, mode=BatchMode.PREFILL_CHUNK, window=window, scale=scale, out=out,
-        k_scale=k_scale, v_scale=v_scale,
+        q, k_new, v_new, RingCache(k_cache, v_cache, k_scale, v_scale), batch, mode=BatchMode.PREFILL_CHUNK,
+        window=window, scale=scale, out=out,
     )  # fmt: skip
     out = inputs.out
     num_tokens, _, head_dim = q.shape

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import is_interpreter
-from .attention_inputs import SUPPORTED_DTYPES, check_ring_cache, check_same_device
+from .attention_inputs import SUPPORTED_DTYPES, RingCache, check_ring_cache, check_same_device
 from .configs import select_write_config
 from .kv_quant import FP8_FORMATS, quantize_fp8_bits
 from .varlen import INDEX_DTYPES
@@ -120,7 +120,7 @@ def ring_write(
             f"k/v dtypes {k.dtype}/{v.dtype} must be one of float16, bfloat16, float32 (fp8 caches are written from "
             "the compute dtype, quantized here); cast the rows first"
         )
-    cache = check_ring_cache(k_cache, v_cache, k_scale, v_scale, dtype=k.dtype, num_kv_heads=num_kv_heads,
+    cache = check_ring_cache(RingCache(k_cache, v_cache, k_scale, v_scale), dtype=k.dtype, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, head_dim_v=v.shape[2])  # fmt: skip
     if slot_mapping.dtype not in INDEX_DTYPES or slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_tokens:
         raise ValueError(
