@@ -74,7 +74,9 @@ LIMITS = SmLimits()
 
 def ctas_per_sm(regs: int, smem_bytes: int, num_warps: int, limits: SmLimits = LIMITS) -> int:
     """Resident CTAs per SM from registers per thread, shared memory per CTA (static + dynamic) and warps."""
-    regs_per_warp = -(-max(regs, 1) * 32 // limits.reg_unit_per_warp) * limits.reg_unit_per_warp
+    import triton
+
+    regs_per_warp = triton.cdiv(max(regs, 1) * 32, limits.reg_unit_per_warp) * limits.reg_unit_per_warp
     by_regs = (limits.regs // regs_per_warp) // num_warps
     by_smem = limits.smem_bytes // smem_bytes if smem_bytes else limits.ctas
     by_threads = limits.threads // (32 * num_warps)
@@ -277,9 +279,11 @@ def _caches(num_blocks: int, head_dim: int, dtype: Any, kv_cache_dtype: str | No
             "k_scale": torch.ones(1), "v_scale": torch.ones(1)}  # fmt: skip
 
 
-def launch_decode(num_reqs: int, group: int, head_dim: int, kv_cache_dtype: str | None = None) -> None:
-    """``ring_attention`` on N draft blocks of 8 at the DFlash2 ring (W 2048, bs 16, R 130), bf16, non-causal
-    (``kv_cache_dtype``: an fp8 ring, vLLM's name)."""
+def launch_decode(
+    num_reqs: int, group: int, head_dim: int, context: int = CONTEXT, kv_cache_dtype: str | None = None
+) -> None:
+    """``ring_attention`` on N draft blocks of 8 after ``context`` positions at the DFlash2 ring (W 2048, bs 16,
+    R 130), bf16, non-causal (``kv_cache_dtype``: an fp8 ring, vLLM's name)."""
     import torch
     from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention
 
@@ -289,9 +293,9 @@ def launch_decode(num_reqs: int, group: int, head_dim: int, kv_cache_dtype: str 
     k_new, v_new = (torch.empty(tokens, NUM_KV_HEADS, head_dim, dtype=torch.bfloat16) for _ in range(2))
     batch = VarlenBatch(
         query_start_loc=torch.arange(0, tokens + 1, DRAFT_BLOCK, dtype=torch.int32),
-        seq_lens=torch.full((num_reqs,), CONTEXT + DRAFT_BLOCK, dtype=torch.int32),
+        seq_lens=torch.full((num_reqs,), context + DRAFT_BLOCK, dtype=torch.int32),
         block_table=torch.zeros(num_reqs, ring, dtype=torch.int32), max_query_len=DRAFT_BLOCK,
-        max_seq_len=CONTEXT + DRAFT_BLOCK, table_period=ring, mode=BatchMode.DRAFT_BLOCK,
+        max_seq_len=context + DRAFT_BLOCK, table_period=ring, mode=BatchMode.DRAFT_BLOCK,
     )  # fmt: skip
     caches = _caches(ring + 1, head_dim, torch.bfloat16, kv_cache_dtype)
     ring_attention(q, k_new, v_new, batch=batch, window=WINDOW, causal=False, **caches)
@@ -346,7 +350,7 @@ def cases(quick: bool) -> list[Case]:
     # an fp8 e4m3 ring under bf16 compute, gated as bf16: the DFlash2 shapes (quick), every shape (full)
     fp8_groups_dims = [(4, 128)] if quick else groups_dims
     out += [Case("decode", {"N": n, "G": g, "D": d, "kv": FP8_CASES},
-                 lambda n=n, g=g, d=d: launch_decode(n, g, d, FP8_CASES))
+                 lambda n=n, g=g, d=d: launch_decode(n, g, d, kv_cache_dtype=FP8_CASES))
             for g, d in fp8_groups_dims for n in batch_sizes]  # fmt: skip
     out += [Case("prefill", {"C": c, "G": g, "D": d, "kv": FP8_CASES},
                  lambda c=c, g=g, d=d: launch_prefill(c, g, d, FP8_CASES))
@@ -374,14 +378,15 @@ def report_rows(case_list: list[Case], archs: tuple[int, ...]) -> list[dict]:
 
 
 def keys_over_batch(max_reqs: int, groups_dims: list[tuple[int, int]], arch: int = 90) -> dict[str, dict[str, int]]:
-    """Distinct specialisations (= compiled kernels) per decode shape and kernel over N = 1..max_reqs requests."""
+    """Distinct specialisations (= compiled kernels) per decode shape and kernel over N = 1..max_reqs requests,
+    each batch at another context length (positions must not specialise either)."""
     found: dict[str, dict[str, set[str]]] = {}
     native = NativeLaunches(arch, compile=False, kv_lines=None)
     with cpu_stand_ins(), native.intercept(ringkv_kernels()):
         for group, head_dim in groups_dims:
             first = len(native.launched)
             for num_reqs in range(1, max_reqs + 1):
-                launch_decode(num_reqs, group, head_dim)
+                launch_decode(num_reqs, group, head_dim, context=num_reqs * 1021 % CONTEXT)
             per_kernel = found.setdefault(f"G{group}-D{head_dim}", {})
             for kernel, key, _ in native.launched[first:]:
                 per_kernel.setdefault(kernel, set()).add(key)

@@ -7,7 +7,7 @@
 2. ``ring_attention`` on the named shapes (DFlash2 32 q / 8 kv / hd 128; 16 / 2 / 256; 64 / 8 / 128; W 2048),
    B 8 and 16, N = 1/8/64/256 requests, the DFlash2 shape on a bf16 and on an fp8 e4m3 ring:
    ``triton.testing.do_bench`` medians with p20/p80, GB/s and % of 4.3 TB/s; cold L2 by rotating over
-   >= 6 x 50 MB of distinct ring sets; CUDA-graph replay for N <= 8;
+   >= 6 x 50 MB of distinct ring sets; CUDA-graph replay (``do_bench_cudagraph``) for N <= 8;
    FlexAttention (sliding-window mask) and SDPA on the same inputs for the DFlash2 shape, and with
    ``--vllm-source`` vLLM's own ``unified_attention`` on the same ring (``vllm_unified.py``: its two Triton files
    from a vllm install or a carried, uncommitted copy), each provider checked against ringkv's output, baselines
@@ -149,8 +149,9 @@ def vllm_unified_call(unified, args: dict, shape: DrafterShape, block: int, cont
     ``P..P+B-1``, which never alias live context), and each ring row becomes vLLM's periodic logical row
     (column ``j`` -> ``ring[j mod R]``). Returns the call; its result is in the dense ``[N, Hq, B, D]`` layout."""
     import torch
+    import triton
     from ringkv.kernels import ring_write
-    from ringkv.kernels.ring_geometry import cdiv, table_slot_mapping, varlen_positions
+    from ringkv.kernels.ring_geometry import table_slot_mapping, varlen_positions
 
     batch, k_cache, v_cache = args["batch"], args["k_cache"], args["v_cache"]
     num_tokens = args["q"].shape[0]
@@ -158,7 +159,7 @@ def vllm_unified_call(unified, args: dict, shape: DrafterShape, block: int, cont
     slots = table_slot_mapping(positions, batch.block_table, block_size=shape.block_size, window=shape.window,
                                period=batch.period, request_index=request)  # fmt: skip
     ring_write(args["k_new"], args["v_new"], k_cache, v_cache, slots)
-    columns = torch.arange(cdiv(context_len + block, shape.block_size), device=k_cache.device) % batch.period
+    columns = torch.arange(triton.cdiv(context_len + block, shape.block_size), device=k_cache.device) % batch.period
     table = batch.block_table[:, columns].contiguous()
     out = torch.empty_like(args["q"])
 
@@ -179,8 +180,9 @@ def to_token_major(out_dense, num_reqs: int, block: int):
     return out_dense.transpose(1, 2).reshape(num_reqs * block, *out_dense.shape[1:2], out_dense.shape[-1])
 
 
-def time_fn(fn, smoke: bool) -> tuple[float, float, float]:
-    """(p50, p20, p80) in microseconds."""
+def time_fn(fn, smoke: bool, cuda_graph: bool = False) -> tuple[float, float, float]:
+    """(p50, p20, p80) in microseconds: one timed call under ``smoke``; else ``triton.testing.do_bench``, or with
+    ``cuda_graph`` ``do_bench_cudagraph`` (calls replayed from one CUDA graph, as vLLM runs the drafter)."""
     if smoke:
         start = time.perf_counter()
         fn()
@@ -188,7 +190,11 @@ def time_fn(fn, smoke: bool) -> tuple[float, float, float]:
         return elapsed, elapsed, elapsed
     import triton.testing
 
-    p50, p20, p80 = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=25, rep=100)
+    quantiles = [0.5, 0.2, 0.8]
+    if cuda_graph:
+        p50, p20, p80 = triton.testing.do_bench_cudagraph(fn, rep=100, quantiles=quantiles)
+    else:
+        p50, p20, p80 = triton.testing.do_bench(fn, quantiles=quantiles, warmup=25, rep=100)
     return p50 * 1e3, p20 * 1e3, p80 * 1e3
 
 
@@ -269,26 +275,9 @@ def rotating(calls: list) -> callable:
     return call
 
 
-def graph_calls(calls: list) -> list:
-    """Each call captured once in a CUDA graph (vLLM runs the drafter in graphs); replays returned."""
-    import torch
-
-    replays = []
-    stream = torch.cuda.Stream()
-    for call in calls:
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
-        replays.append(graph.replay)
-    return replays
-
-
 def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, unified=None) -> list[dict]:
     import torch
+    import triton
     from ringkv.kernels import ring_attention
     from ringkv.kernels.tolerance import attention_error
 
@@ -307,7 +296,7 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, un
             context_len = 262_136 if not smoke else 100
             ring_itemsize = dtype.itemsize if kv is None else 1
             per_set = 2 * num_reqs * (shape.window - 1 + block) * shape.num_kv_heads * shape.head_dim * ring_itemsize
-            num_sets = 1 if smoke else max(1, min(32, -(-COLD_SETS_BYTES // per_set)))
+            num_sets = 1 if smoke else max(1, min(32, triton.cdiv(COLD_SETS_BYTES, per_set)))
             batches = [build_batch(shape, num_reqs, block, context_len, dtype, device, seed=s, kv_cache_dtype=kv)
                        for s in range(num_sets)]  # fmt: skip
             args, dense, ctx_len = batches[0]
@@ -323,7 +312,7 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, un
                     "ring_sets": num_sets}  # fmt: skip
             providers = {"ringkv": rotating(calls)}
             if device.type == "cuda" and num_reqs <= 8:
-                providers["ringkv-cudagraph"] = rotating(graph_calls(calls))
+                providers["ringkv-cudagraph"] = rotating(calls)
             if (primary or smoke) and kv is None:
                 compile_flex = not smoke and time.perf_counter() - started < budget_s
                 providers.update(make_baselines(dense, ctx_len, block, shape.window, device, compile_flex))
@@ -348,7 +337,7 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, un
                     if not name.startswith("ringkv") and time.perf_counter() - started > budget_s:
                         rows.append({**row, "skipped": "time budget"})
                         continue
-                    p50, p20, p80 = time_fn(fn, smoke)
+                    p50, p20, p80 = time_fn(fn, smoke, cuda_graph=name == "ringkv-cudagraph")
                     gbps = row["bytes"] / (p50 * 1e-6) / 1e9
                     row.update({"us_p50": p50, "us_p20": p20, "us_p80": p80, "GBps": gbps,
                                 "pct_of_4.3TBps": 100 * gbps * 1e9 / HBM_BYTES_PER_S})  # fmt: skip
@@ -460,7 +449,7 @@ def drafter_smoke(device, smoke: bool) -> dict:
     from ringkv.dflash2.harness.smoke import run_smoke
 
     result = run_smoke(context=262_144 if not smoke else 3000, steps=32 if not smoke else 2, device=str(device))
-    return {**asdict(result), "ok": result.ok}
+    return {**asdict(result), "ok": result.error.ok}
 
 
 def gpu_check(out: Path, smoke: bool, budget_s: float, skip_tests: bool, shapes: list[str],

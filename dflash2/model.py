@@ -13,6 +13,7 @@ Names follow the HF checkpoints (``layers.{i}.self_attn.q_proj.weight``, ...).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -23,6 +24,16 @@ from torch import nn
 from .config import DFlashConfig, load_config
 
 
+@dataclass(frozen=True)
+class DraftBlocks:
+    """N draft blocks of ``block`` tokens: block ``r`` belongs to request ``requests[r]`` and sits at positions
+    ``context_lens[r] .. context_lens[r] + block - 1``; the same for every layer of one forward."""
+
+    context_lens: Sequence[int]
+    block: int
+    requests: Sequence[int]
+
+
 class DraftKVStore(Protocol):
     """Where the drafter's per-layer context K/V live and how a draft block attends over them."""
 
@@ -30,17 +41,10 @@ class DraftKVStore(Protocol):
         """Store context rows ``k``/``v`` ``[T, Hkv, D]`` of ``request`` at absolute ``positions [T]``."""
 
     def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k_new: torch.Tensor,
-        v_new: torch.Tensor,
-        context_lens: Sequence[int],
-        block: int,
-        requests: Sequence[int],
+        self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, blocks: DraftBlocks
     ) -> torch.Tensor:
-        """``[N*B, Hq, D]``: block ``r`` (request ``requests[r]``, positions ``context_lens[r] ..``) over its
-        context and its own K/V."""
+        """``[N*B, Hq, D]``: each block's queries ``q [N*B, Hq, D]`` over its request's context and the blocks'
+        own K/V ``k_new``/``v_new`` ``[N*B, Hkv, D]``."""
 
 
 class RMSNorm(nn.Module):
@@ -207,6 +211,7 @@ class DFlash2Drafter(nn.Module):
         requests = list(range(len(context_lens))) if requests is None else list(requests)
         if len(requests) != len(context_lens):
             raise ValueError(f"{len(requests)} request ids for {len(context_lens)} blocks; give one id per block")
+        blocks = DraftBlocks(context_lens, block, requests)
         positions = torch.cat([torch.arange(p, p + block) for p in context_lens]).to(embeddings.device)
         hidden, residual = embeddings, None
         for index, layer in enumerate(self.layers):
@@ -217,7 +222,7 @@ class DFlash2Drafter(nn.Module):
             attn = layer.self_attn
             q = attn.queries(hidden, positions)
             k, v = attn.keys_values(hidden, positions)
-            hidden = attn.o_proj(cache.attend(index, q, k, v, context_lens, block, requests).flatten(1))
+            hidden = attn.o_proj(cache.attend(index, q, k, v, blocks).flatten(1))
             if layer.attention_conv is not None:
                 hidden = layer.attention_conv.finish(hidden, coefficients)
             residual = hidden + residual

@@ -72,6 +72,13 @@ def show(title: str, columns: list[str], rows: list[tuple[str, ...]]) -> None:
     console().print(table)
 
 
+def show_checked(title: str, rows: list[tuple[str, str]], ok: bool) -> None:
+    """A two-column table of a checked run, its last row PASS or FAIL; exit code 1 on FAIL."""
+    show(title, ["", "value"], [*rows, ("result", "PASS" if ok else "FAIL")])
+    if not ok:
+        raise typer.Exit(1)
+
+
 @app.command()
 def demo(
     last_position: int = typer.Option(262_143, help="absolute position of the draft block's last query"),
@@ -91,17 +98,14 @@ def demo(
          ["", "value"], plan_rows(shape))  # fmt: skip
     mode = "GPU" if device.type == "cuda" else "CPU, Triton interpreter"
     result = attention_step(shape, last_position, device)
-    show(f"One drafter attention step ({mode})", ["", "value"], [
+    show_checked(f"One drafter attention step ({mode})", [
         ("queries (absolute positions)", f"{result.positions[0]} .. {result.positions[1]}"),
         ("context chunk written / kept in ring", f"8192 / {result.written} (dead positions dropped)"),
-        ("max |kernel - fp64 reference|", f"{result.max_error:.3e}"),
-        ("tolerance bound", f"{result.bound:.3e}"),
+        ("max |kernel - fp64 reference|", f"{result.error.max_error:.3e}"),
+        ("tolerance bound", f"{result.error.bound:.3e}"),
         ("kernel wall time (interpreted on CPU: not a speed figure)" if device.type != "cuda" else "kernel wall time",
          f"{result.seconds * 1e3:.1f} ms"),
-        ("result", "PASS" if result.ok else "FAIL"),
-    ])  # fmt: skip
-    if not result.ok:
-        raise typer.Exit(1)
+    ], result.error.ok)  # fmt: skip
 
 
 @app.command()
@@ -224,16 +228,13 @@ def smoke(
                            device=str(device),
                            progress=lambda phase, done: bar.update(tasks[phase], completed=done))  # fmt: skip
     mode = "GPU" if device.type == "cuda" else "CPU, Triton interpreter"
-    show(f"DFlash2 drafter smoke ({mode}; tiny random drafter, W {window}, B {block_size})", ["", "value"], [
+    show_checked(f"DFlash2 drafter smoke ({mode}; tiny random drafter, W {window}, B {block_size})", [
         ("context positions / draft steps", f"{result.context} / {result.steps} (ended at {result.final_position})"),
         ("max |ring logits - full-history fp64|",
-         f"{result.max_error:.3e} (bound {result.bound:.3e}, step {result.worst_step})"),
+         f"{result.error.max_error:.3e} (bound {result.error.bound:.3e}, step {result.worst_step})"),
         ("drafter KV bytes: ring / full history", f"{result.ring_kv_bytes:,} / {result.full_kv_bytes:,}"),
         ("wall time", f"{result.seconds:.1f} s"),
-        ("result", "PASS" if result.ok else "FAIL"),
-    ])  # fmt: skip
-    if not result.ok:
-        raise typer.Exit(1)
+    ], result.error.ok)  # fmt: skip
 
 
 @app.command()

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Small helpers shared by the Triton launchers: interpreter detection, powers of two, SM count."""
+"""Small helpers shared by the Triton launchers: interpreter detection, SM count."""
 
 from __future__ import annotations
 
@@ -12,11 +12,6 @@ import torch
 def is_interpreter() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def next_pow2(n: int) -> int:
-    """Smallest power of two ``>= n`` (1 for ``n <= 1``)."""
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 @functools.cache

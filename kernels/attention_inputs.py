@@ -9,9 +9,10 @@ import os
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from .kv_quant import FP8_DTYPES, check_scale
-from .ring_geometry import UNBOUNDED_WINDOW, cdiv, ring_blocks_needed
+from .ring_geometry import UNBOUNDED_WINDOW, ring_blocks_needed
 from .varlen import MAX_QUERY_LEN as MAX_QUERY_LEN  # the draft-block limit, imported from here by integration
 from .varlen import BatchMode, VarlenBatch
 
@@ -205,10 +206,10 @@ def validate_attention_inputs(
     block_size = k_cache.shape[1]
     width = batch.block_table.shape[1]
     if batch.table_period is None:
-        if cdiv(batch.max_seq_len, block_size) > width:
+        if triton.cdiv(batch.max_seq_len, block_size) > width:
             raise ValueError(
                 f"block_table width {width} is too short for max_seq_len={batch.max_seq_len} at block_size="
-                f"{block_size} (needs {cdiv(batch.max_seq_len, block_size)} columns); pass full rows or "
+                f"{block_size} (needs {triton.cdiv(batch.max_seq_len, block_size)} columns); pass full rows or "
                 "table_period=R for ring rows"
             )
     else:

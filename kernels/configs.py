@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._triton_utils import next_pow2
-from .ring_geometry import cdiv
+import triton
 
 # Query rows of one ring_attention program: the G x B rows of one KV head, padded to the 64-row tile one
 # Hopper warp group's wgmma takes (a 32-row tile takes mma.sync with every warp holding all of Q and P).
@@ -51,12 +50,12 @@ def select_attention_config(
     """Pick tiles from the head shape, block size and ring dtype only: never the number of requests, the
     draft-block length or a position, so one compiled kernel serves every batch (and a CUDA graph replays for
     any position)."""
-    block_m = max(ATTENTION_BLOCK_M, next_pow2(group_size))
+    block_m = max(ATTENTION_BLOCK_M, triton.next_power_of_2(group_size))
     return AttentionConfig(
         BLOCK_M=block_m,
         TILE_N=ring_tile_keys(block_size),
-        BLOCK_D=max(MIN_DOT_DIM, next_pow2(head_dim)),
-        BLOCK_DV=max(MIN_DOT_DIM, next_pow2(head_dim_v)),
+        BLOCK_D=max(MIN_DOT_DIM, triton.next_power_of_2(head_dim)),
+        BLOCK_DV=max(MIN_DOT_DIM, triton.next_power_of_2(head_dim_v)),
         queries_per_block=block_m // group_size,
         num_warps=4,
         # three K/V tiles in flight per program: at the DFlash2 shape also the fewest registers (sm_90 128,
@@ -73,7 +72,7 @@ def select_num_splits(
     """Split-KV count, a runtime kernel argument: while ``num_reqs * num_kv_heads * num_m_blocks`` programs
     leave SMs idle, split the window's ``W - 1`` context keys into up to ``MAX_SPLITS`` parts of >= 2 tiles."""
     base = max(num_reqs * num_kv_heads * num_m_blocks, 1)
-    wanted = cdiv(PROGRAMS_PER_SM * num_sms, base)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, base)
     most = max(1, min(MAX_SPLITS, (window - 1) // (2 * tile_n)))
     return max(1, min(wanted, most))
 
@@ -96,8 +95,8 @@ INTERPRETED_WRITE_TILE_ELEMENTS = 65536
 def select_write_config(*, num_kv_heads: int, head_dim: int, interpreted: bool = False) -> WriteConfig:
     """All heads of a row in one program when they fit, and as many rows as fill the tile."""
     elements = INTERPRETED_WRITE_TILE_ELEMENTS if interpreted else WRITE_TILE_ELEMENTS
-    block_d = next_pow2(head_dim)
-    block_h = max(1, min(next_pow2(num_kv_heads), elements // block_d))
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = max(1, min(triton.next_power_of_2(num_kv_heads), elements // block_d))
     block_t = max(1, elements // (block_h * block_d))
     return WriteConfig(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)
 
@@ -139,14 +138,14 @@ def select_prefill_config(
     chunks of ``INTERPRETED_LONG_CHUNK`` queries or more)."""
     tall = interpreted and max_query_len >= INTERPRETED_LONG_CHUNK
     block_q = max(1, (INTERPRETED_PREFILL_BLOCK_M if tall else PREFILL_BLOCK_M) // group_size)
-    block_d = max(MIN_DOT_DIM, next_pow2(head_dim))
-    block_dv = max(MIN_DOT_DIM, next_pow2(head_dim_v))
+    block_d = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
+    block_dv = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim_v))
     # head_dim 256: a 64 x 256 fp32 accumulator is 128 registers a thread at 4 warps (spills with 32-key tiles);
     # 8 warps split it over two warp groups (sm_90: 177 registers, no spills; bench/README.md)
     wide = max(block_d, block_dv) > 128
     return PrefillConfig(
         BLOCK_Q=block_q,
-        BLOCK_M=max(MIN_DOT_DIM, next_pow2(block_q * group_size)),
+        BLOCK_M=max(MIN_DOT_DIM, triton.next_power_of_2(block_q * group_size)),
         TILE_N=ring_tile_keys(block_size),
         TILE_C=INTERPRETED_PREFILL_TILE_C if tall else 32 if wide else 64,
         BLOCK_D=block_d,

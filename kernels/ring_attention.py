@@ -23,10 +23,9 @@ from ._tiles import (
     request_span,
     ring_tile_count,
 )
-from ._triton_utils import device_sms, is_interpreter, next_pow2
+from ._triton_utils import device_sms, is_interpreter
 from .attention_inputs import AttentionInputs, RingCache, validate_attention_inputs
 from .configs import MAX_SPLITS, AttentionConfig, select_attention_config, select_num_splits
-from .ring_geometry import cdiv
 from .varlen import BatchMode, VarlenBatch
 
 LOG2E = 1.4426950408889634
@@ -240,7 +239,7 @@ def ring_attention(
         block_size=k_cache.shape[1],
         kv_fp8=inputs.cache.fp8,
     )
-    num_m_blocks = cdiv(batch.max_query_len, config.queries_per_block)
+    num_m_blocks = triton.cdiv(batch.max_query_len, config.queries_per_block)
     if num_splits is None:
         num_splits = select_num_splits(
             num_reqs=batch.num_reqs, num_kv_heads=num_kv_heads, num_m_blocks=num_m_blocks, window=window,
@@ -269,6 +268,6 @@ def ring_attention(
         _combine_splits_kernel[(num_tokens, num_q_heads)](
             out, target, lse, batch.query_start_loc, batch.num_reqs, num_splits, num_tokens,
             out.stride(0), out.stride(1), target.stride(1), target.stride(2), lse.stride(1),
-            DV=head_dim_v, BLOCK_DV=config.BLOCK_DV, BLOCK_S=next_pow2(MAX_SPLITS),
+            DV=head_dim_v, BLOCK_DV=config.BLOCK_DV, BLOCK_S=triton.next_power_of_2(MAX_SPLITS),
         )  # fmt: skip
     return out

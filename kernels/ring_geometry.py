@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 
 PAD_SLOT = -1
 # Positions are int32 inside the kernels, and a tile of keys or query rows may reach past a request's last
@@ -42,11 +43,6 @@ MAX_POSITION = (1 << 31) - POSITION_HEADROOM
 # The window of a full-attention layer served by the ring kernels, and the largest window they take (a window
 # >= MAX_POSITION already sees every position).
 UNBOUNDED_WINDOW = 1 << 40
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division for non-negative ``a`` and positive ``b``."""
-    return -(-a // b)
 
 
 def _require_positive_int(name: str, value: object, hint: str) -> int:
@@ -62,7 +58,7 @@ def ring_blocks_needed(window: int, block_size: int, lookahead: int) -> int:
     _require_positive_int("window", window, "pass the drafter's sliding window W (keys per query, incl. itself)")
     _require_positive_int("block_size", block_size, "pass the KV block size in tokens")
     _require_positive_int("lookahead", lookahead, "pass num_speculative_tokens + 1 for DFlash")
-    return cdiv(window + lookahead - 2, block_size) + 1
+    return triton.cdiv(window + lookahead - 2, block_size) + 1
 
 
 def ring_column(position: torch.Tensor, block_size: int, period: int) -> torch.Tensor:
@@ -126,7 +122,7 @@ class RingPlan:
         """Physical blocks a request of ``num_tokens`` tokens holds: ``min(cdiv(N, bs), R)``."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens={num_tokens} must be >= 0")
-        return min(cdiv(num_tokens, self.block_size), self.num_blocks)
+        return min(triton.cdiv(num_tokens, self.block_size), self.num_blocks)
 
     def live_span(self, context_len: int) -> tuple[int, int]:
         """Half-open positions ``[max(0, P-(W-1)), P+la)`` one step at context_len ``P`` reads or writes."""
@@ -137,7 +133,7 @@ class RingPlan:
     def live_blocks(self, context_len: int) -> range:
         """Logical blocks the live span of a step at context_len ``P`` touches (at most R of them)."""
         lo, hi = self.live_span(context_len)
-        return range(lo // self.block_size, cdiv(hi, self.block_size))
+        return range(lo // self.block_size, triton.cdiv(hi, self.block_size))
 
     def check_step(self, query_len: int) -> None:
         """Raise if a step of ``query_len`` block tokens does not fit the ring's lookahead."""

@@ -13,6 +13,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--seed-offset", type=int, default=0,
+        help="shift the seeds of the randomized tests (tests/kernels/test_differential.py) to draw other cases",
+    )  # fmt: skip
+
+
 @pytest.fixture
 def device() -> torch.device:
     """Where kernel tests put tensors: the GPU if there is one, else the CPU (interpreter)."""

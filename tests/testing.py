@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import triton
 from ringkv.kernels.attention_inputs import KV_STRIDE_ELEMENTS
 from ringkv.kernels.kv_quant import dequantize, quantize_fp8
 from ringkv.kernels.oracle import dense_history_attention
 from ringkv.kernels.reference import ring_attention_reference, ring_write_reference
-from ringkv.kernels.ring_geometry import RingPlan, cdiv, first_visible_position
+from ringkv.kernels.ring_geometry import RingPlan, first_visible_position
 from ringkv.kernels.tolerance import attention_error
 from ringkv.kernels.varlen import BatchMode, VarlenBatch
 
@@ -81,7 +83,7 @@ class RingCase:
 def aligned_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """A NaN-filled ``[num_blocks, bs, H, D]`` view of storage with D padded to a multiple of 16 elements (fp8:
     the NaN byte 0x7F)."""
-    padded = cdiv(shape[-1], KV_STRIDE_ELEMENTS) * KV_STRIDE_ELEMENTS
+    padded = triton.cdiv(shape[-1], KV_STRIDE_ELEMENTS) * KV_STRIDE_ELEMENTS
     return torch.full((*shape[:-1], padded), NAN, dtype=dtype, device=device)[..., : shape[-1]]
 
 
@@ -134,7 +136,7 @@ def make_ring_case(
     physical = (torch.randperm(num_blocks - 1, generator=generator) + 1)[: ring_blocks * num_reqs]
     rings = physical.view(num_reqs, ring_blocks).to(torch.int32)
     if full_rows:
-        width = max(cdiv(p + b, block_size) for p, b in requests) + 1
+        width = max(triton.cdiv(p + b, block_size) for p, b in requests) + 1
         logical = torch.arange(width)
         block_table = rings[:, logical % ring_blocks].clone()
         for r, (p, _) in enumerate(requests):
@@ -207,6 +209,20 @@ def reference_pair(case: RingCase) -> tuple[torch.Tensor, torch.Tensor]:
     lo_dtype = case.q.dtype if case.q.dtype != torch.float32 else torch.float32
     ref_lo = ring_attention_reference(**args, compute_dtype=lo_dtype)
     return ref_hi, ref_lo
+
+
+def assert_kernel_matches_reference(
+    kernel: Callable[..., torch.Tensor], case: RingCase, device: torch.device | str, **options: object
+) -> None:
+    """``kernel(**case.kernel_args(), out=out, **options)`` on ``device`` holds the tolerance rule against
+    ``reference_pair(case)`` and leaves the NaN padding rows past ``query_start_loc[-1]`` unwritten."""
+    ref_hi, ref_lo = reference_pair(case)
+    case = case.to(device)
+    out = torch.full_like(ref_hi, NAN, device=device)
+    kernel(**case.kernel_args(), out=out, **options)
+    real = int(case.query_start_loc[-1])
+    assert torch.isnan(out[real:]).all(), f"{kernel.__name__}: padding rows past query_start_loc[-1] were written"
+    assert_attention_close(out[:real].cpu(), ref_hi[:real], ref_lo[:real], name=kernel.__name__, case=case)
 
 
 def describe_index(case: RingCase | None, token: int) -> str:

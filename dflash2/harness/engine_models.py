@@ -110,7 +110,8 @@ class _SharedPositionsBatch:
         # k, v: [N * P, Hkv, D] -> [N, P, Hkv, D]
         self.kv[layer] = (k.view(self.n, self.context, *k.shape[1:]), v.view(self.n, self.context, *v.shape[1:]))
 
-    def attend(self, layer, q, k_new, v_new, context_lens, block, requests) -> torch.Tensor:
+    def attend(self, layer, q, k_new, v_new, blocks) -> torch.Tensor:
+        block = blocks.block
         k_ctx, v_ctx = self.kv[layer]
         # SDPA layout [N, H, L, D]
         keys = torch.cat([k_ctx, k_new.view(self.n, block, *k_new.shape[1:])], 1).transpose(1, 2)

@@ -5,11 +5,11 @@ full-attention layers keep every position unquantized."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from ringkv.dflash2.config import DFlashConfig
+from ringkv.dflash2.model import DraftBlocks
 from ringkv.kernels import (
     BatchMode,
     VarlenBatch,
@@ -62,23 +62,17 @@ class Fp8DraftKVCache(DraftKVCache):
         write(*rows, k_store, v_store, slots[keep], **self.scales)
 
     def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k_new: torch.Tensor,
-        v_new: torch.Tensor,
-        context_lens: Sequence[int],
-        block: int,
-        requests: Sequence[int],
+        self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, blocks: DraftBlocks
     ) -> torch.Tensor:
         plan, ring = self.plans[layer], self.rings[layer]
         if plan is None:
-            return super().attend(layer, q, k_new, v_new, context_lens, block, requests)
+            return super().attend(layer, q, k_new, v_new, blocks)
+        context_lens, block = blocks.context_lens, blocks.block
         spec = self.config.layers[layer]
         k_store, v_store = self.storage[layer]
         starts = torch.arange(0, block * len(context_lens) + 1, block, dtype=torch.int32, device=self.device)
         seq_lens = torch.tensor([p + block for p in context_lens], dtype=torch.int32, device=self.device)
-        rows = ring[torch.tensor(list(requests), device=self.device)]
+        rows = ring[torch.tensor(list(blocks.requests), device=self.device)]
         batch = VarlenBatch(starts, seq_lens, rows, max_query_len=block, max_seq_len=max(context_lens) + block,
                             table_period=plan.num_blocks, mode=BatchMode.DRAFT_BLOCK)  # fmt: skip
         attend = ring_attention if self.attention == "triton" else ring_attention_reference

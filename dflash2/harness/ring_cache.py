@@ -5,11 +5,11 @@ they are not ring-backed."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Literal
 
 import torch
 from ringkv.dflash2.config import DFlashConfig, LayerAttention
+from ringkv.dflash2.model import DraftBlocks
 from ringkv.kernels import (
     BatchMode,
     VarlenBatch,
@@ -90,17 +90,10 @@ class DraftKVCache:
         write(*rows, k_store, v_store, slots[keep])
 
     def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k_new: torch.Tensor,
-        v_new: torch.Tensor,
-        context_lens: Sequence[int],
-        block: int,
-        requests: Sequence[int],
+        self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, blocks: DraftBlocks
     ) -> torch.Tensor:
-        """``[N*B, Hq, D]`` attention of N equal draft blocks, block ``r`` of request ``requests[r]`` at
-        positions ``context_lens[r] ..``, over that request's context and the block itself."""
+        """``DraftKVStore.attend`` over this cache's ring (or every kept position) of each block's request."""
+        context_lens, block, requests = blocks.context_lens, blocks.block, blocks.requests
         for request in requests:
             if not 0 <= request < self.num_requests:
                 raise ValueError(f"request {request} is outside this cache's {self.num_requests} requests")

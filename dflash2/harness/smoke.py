@@ -7,7 +7,7 @@ with random acceptance lengths. Every step's draft logits from the ring are chec
 cache (every position kept, window mask by absolute position) under the tolerance rule: the full-history
 drafter in fp64 is ``ref_hi``, in fp32 ``ref_lo``. With an fp8 ``kv_cache_dtype`` the ring stores fp8 rows
 (``Fp8DraftKVCache``, scales 1.0 as vLLM's default) while both references keep exact K/V: the error is then the
-quantization's, and the tolerance bound (a kernel bound) is reported beside it, not asserted.
+quantization's, and the tolerance bound (a kernel bound) is reported beside it: ``error.ok`` is then no gate.
 
 Run: ``.venv/bin/python -m ringkv.dflash2.harness.smoke --context 262144 --kv-cache-dtype fp8_e4m3``.
 """
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 from ringkv.dflash2.model import DFlash2Drafter
 from ringkv.kernels.kv_quant import fp8_dtype_of
-from ringkv.kernels.tolerance import attention_error
+from ringkv.kernels.tolerance import ErrorReport, attention_error
 
 from .fp8_ring_cache import Fp8DraftKVCache
 from .ring_cache import DraftKVCache
@@ -36,17 +36,13 @@ class SmokeResult:
     context: int
     steps: int
     final_position: int
-    max_error: float
-    bound: float
+    # the worst step's (largest max_error / bound): the smoke passes when it does
+    error: ErrorReport
     worst_step: int
     ring_kv_bytes: int
     full_kv_bytes: int
     seconds: float
     kv_cache_dtype: str = "auto"
-
-    @property
-    def ok(self) -> bool:
-        return self.max_error <= self.bound
 
 
 def run_smoke(
@@ -95,7 +91,7 @@ def run_smoke(
         if progress is not None:
             progress("prefill", min(start + chunk, context))
     rng = random.Random(seed)
-    context_len, worst, worst_step, bound = context, 0.0, 0, 0.0
+    context_len, worst, worst_step = context, ErrorReport(0.0, 0.0, ()), 0
     for step in range(steps):
         anchor = torch.tensor([rng.randrange(config.vocab_size - 1)], device=device)
         with torch.no_grad():
@@ -103,15 +99,15 @@ def run_smoke(
             _, logits_lo = drafter.draft(full32, anchor, [context_len], embed, head)
             _, logits_hi = reference.draft(full64, anchor, [context_len], embed64, head64)
         report = attention_error(logits, logits_hi, logits_lo)
-        if report.max_error / max(report.bound, 1e-30) >= worst / max(bound, 1e-30):
-            worst, bound, worst_step = report.max_error, report.bound, step
+        if report.max_error / max(report.bound, 1e-30) >= worst.max_error / max(worst.bound, 1e-30):
+            worst, worst_step = report, step
         accepted = 1 + rng.randint(0, block_size - 1)
         commit(context_len, context_len + accepted)
         context_len += accepted
         if progress is not None:
             progress("draft", step + 1)
     return SmokeResult(
-        context=context, steps=steps, final_position=context_len, max_error=worst, bound=bound, worst_step=worst_step,
+        context=context, steps=steps, final_position=context_len, error=worst, worst_step=worst_step,
         ring_kv_bytes=ring.nbytes(), full_kv_bytes=_full_bytes(full32, context_len),
         seconds=time.perf_counter() - started, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
@@ -129,7 +125,7 @@ def main(context: int = 262_144, steps: int = 32, kv_cache_dtype: str = "auto", 
     import typer
 
     result = run_smoke(context, steps, kv_cache_dtype=kv_cache_dtype, device=device)
-    typer.echo(json.dumps({**asdict(result), "ok": result.ok}))
+    typer.echo(json.dumps(asdict(result)))
 
 
 __all__ = ["DFlash2Drafter", "SmokeResult", "run_smoke"]

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringkv.kernels.ring_geometry import RingPlan, cdiv, first_visible_position
+import triton
+from ringkv.kernels.ring_geometry import RingPlan, first_visible_position
 
 from ._compat import KVCacheBlock, SlidingWindowManager, SlidingWindowSpec, VllmConfig, replace_as
 from .planning import UNPLANNED, RingConfigError
@@ -76,7 +77,7 @@ class RingSWASpec(SlidingWindowSpec):
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
         """R (capped by the blocks a max_model_len request would hold), whatever is in flight."""
         del max_in_flight_tokens
-        return min(self.ring_blocks, cdiv(max_model_len, self.block_size))
+        return min(self.ring_blocks, triton.cdiv(max_model_len, self.block_size))
 
     def max_memory_usage_bytes(self, vllm_config: VllmConfig) -> int:
         blocks = self.max_admission_blocks_per_request(0, vllm_config.model_config.max_model_len)
@@ -156,7 +157,7 @@ class RingSWAManager(SlidingWindowManager):
         first_live = self.first_live_block(num_tokens_main_model)
         new_entries = [
             self._null_block if j < first_live else ring[j % self.ring_blocks]
-            for j in range(len(row), cdiv(num_tokens, self.block_size))
+            for j in range(len(row), triton.cdiv(num_tokens, self.block_size))
         ]
         row.extend(new_entries)
         return new_entries

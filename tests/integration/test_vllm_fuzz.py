@@ -7,11 +7,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import triton
 
 pytest.importorskip("vllm")
 
 from ringkv.integration.simulation.admission import Deployment, drafter_manager, make_request
-from ringkv.kernels.ring_geometry import cdiv
 from ringkv.kernels.shapes import DrafterShape
 
 pytestmark = pytest.mark.vllm
@@ -39,7 +39,7 @@ def check_invariants(manager, live, needs, initial_free) -> None:
     all_ring_blocks = [b for blocks in rings.values() for b in blocks]
     assert len(all_ring_blocks) == len(set(all_ring_blocks)), "two requests share a ring block"
     for rid, request in live.items():
-        assert len(rings[rid]) == min(cdiv(needs[rid], plan.block_size), plan.num_blocks)
+        assert len(rings[rid]) == min(triton.cdiv(needs[rid], plan.block_size), plan.num_blocks)
         context_len = request.num_computed_tokens
         row = drafter.req_to_blocks[rid]
         window_blocks = [row[j] for j in plan.live_blocks(context_len) if j < len(row)]

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
 
 pytest.importorskip("vllm")
 
@@ -32,7 +33,7 @@ from ringkv.integration.vllm import register
 from ringkv.integration.vllm._compat import CommonAttentionMetadata, dflash_speculator_class
 from ringkv.integration.vllm.backend import RingKVBackend
 from ringkv.integration.vllm.kv_cache import RingSWASpec
-from ringkv.kernels.ring_geometry import PAD_SLOT, cdiv
+from ringkv.kernels.ring_geometry import PAD_SLOT
 
 from tests.testing import NAN, assert_attention_close, dense_oracle_rows
 
@@ -42,7 +43,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.interpreter]
 SMALL = Deployment(pool_blocks=200, target_groups=1, target_block_size=64, drafter_window=64, drafter_block_size=16,
                    num_speculative_tokens=7, max_model_len=4096, max_num_batched_tokens=256)  # fmt: skip
 BS, W, LA = SMALL.drafter_block_size, SMALL.drafter_window, SMALL.lookahead
-WIDTH = cdiv(SMALL.max_model_len, BS)  # V2's row width: max_num_blocks_per_req(max_model_len)
+WIDTH = triton.cdiv(SMALL.max_model_len, BS)  # V2's row width: max_num_blocks_per_req(max_model_len)
 HKV, HQ = 2, 8
 HAS_IS_DRAFT = any(f.name == "is_draft" for f in dataclasses.fields(RingSWASpec))
 

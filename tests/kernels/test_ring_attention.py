@@ -16,7 +16,13 @@ from ringkv.kernels import (
 )
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, first_visible_position
 
-from tests.testing import NAN, assert_attention_close, make_ring_case, reference_pair, stable_seed
+from tests.testing import (
+    assert_attention_close,
+    assert_kernel_matches_reference,
+    make_ring_case,
+    reference_pair,
+    stable_seed,
+)
 
 pytestmark = pytest.mark.interpreter
 
@@ -65,13 +71,7 @@ def test_ring_attention_matches_reference(
         requests, window=window, block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
         dtype=dtype, causal=causal, full_rows=full_rows, pad_tokens=2, seed=seed,
     )  # fmt: skip
-    ref_hi, ref_lo = reference_pair(case)
-    case = case.to(device)
-    out = torch.full_like(ref_hi, NAN, device=device)
-    ring_attention(**case.kernel_args(), out=out, num_splits=splits)
-    num_real = int(case.query_start_loc[-1])
-    assert torch.isnan(out[num_real:]).all(), "padding rows past query_start_loc[-1] were written"
-    assert_attention_close(out[:num_real].cpu(), ref_hi[:num_real], ref_lo[:num_real], name="ring_attention", case=case)
+    assert_kernel_matches_reference(ring_attention, case, device, num_splits=splits)
 
 
 def onehot_history(depth: int):

@@ -11,7 +11,14 @@ import torch
 from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, ring_prefill_attention
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW
 
-from tests.testing import NAN, assert_attention_close, make_ring_case, oracle_pair, reference_pair, stable_seed
+from tests.testing import (
+    NAN,
+    assert_attention_close,
+    assert_kernel_matches_reference,
+    make_ring_case,
+    oracle_pair,
+    stable_seed,
+)
 
 pytestmark = pytest.mark.interpreter
 
@@ -37,13 +44,7 @@ def test_ring_prefill_matches_reference(requests, window, bs, hq, hkv, d, dtype,
         causal=causal, lookahead=1, full_rows=full_rows, pad_tokens=3, seed=stable_seed(requests, window, causal),
         mode=BatchMode.PREFILL_CHUNK,
     )  # fmt: skip
-    ref_hi, ref_lo = reference_pair(case)
-    case = case.to(device)
-    out = torch.full_like(ref_hi, NAN, device=device)
-    ring_prefill_attention(**case.kernel_args(), out=out, write_ring=False)
-    real = int(case.query_start_loc[-1])
-    assert torch.isnan(out[real:]).all(), "padding rows were written"
-    assert_attention_close(out[:real].cpu(), ref_hi[:real], ref_lo[:real], name="ring_prefill_attention", case=case)
+    assert_kernel_matches_reference(ring_prefill_attention, case, device, write_ring=False)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 from ringkv.kernels import RingPlan, ring_write, ring_write_reference
 from ringkv.kernels.attention_inputs import KV_STRIDE_ELEMENTS
 
@@ -17,7 +18,7 @@ def vllm_layer_view(num_blocks: int, block_size: int, heads: int, head_dim: int,
     """A vLLM per-layer cache ``[num_blocks, H, N, 2D']`` (logical) with physical layout ``order`` and its
     K/V views ``[num_blocks, N, H, D]``: ``"BHN"`` = heads outer (LBHNC), ``"BNH"`` = slots outer (LBNHC).
     ``D' = D`` rounded up to 16 elements: the kernels need 16-element strides (``check_kv_alignment``)."""
-    padded = -(-head_dim // KV_STRIDE_ELEMENTS) * KV_STRIDE_ELEMENTS
+    padded = triton.cdiv(head_dim, KV_STRIDE_ELEMENTS) * KV_STRIDE_ELEMENTS
     if order == "BHN":
         storage = torch.full((num_blocks, heads, block_size, 2 * padded), NAN, dtype=dtype)
     else:
