@@ -2,11 +2,12 @@
 """The prepared GPU check (one H200 run, <= 8 minutes): correctness first, then timings, JSON to $OUT.
 
 1. the kernel test-suite natively on the GPU (``pytest tests/kernels -m interpreter``), then bf16 cases on
-   the DFlash2 shape against the fp64 dense oracle, each repeated 10x and required bitwise equal;
+   the DFlash2 shape (bf16 and fp8 rings) against the fp64 dense oracle, each repeated 10x and required bitwise
+   equal;
 2. ``ring_attention`` on the named shapes (DFlash2 32 q / 8 kv / hd 128; 16 / 2 / 256; 64 / 8 / 128; W 2048),
-   B 8 and 16, N = 1/8/64/256 requests: ``triton.testing.do_bench`` medians with p20/p80, GB/s and % of
-   4.3 TB/s; cold L2 by rotating over >= 6 x 50 MB of distinct ring sets; CUDA-graph replay
-   (``do_bench_cudagraph``) for N <= 8;
+   B 8 and 16, N = 1/8/64/256 requests, the DFlash2 shape on a bf16 and on an fp8 e4m3 ring:
+   ``triton.testing.do_bench`` medians with p20/p80, GB/s and % of 4.3 TB/s; cold L2 by rotating over
+   >= 6 x 50 MB of distinct ring sets; CUDA-graph replay (``do_bench_cudagraph``) for N <= 8;
    FlexAttention (sliding-window mask) and SDPA on the same inputs for the DFlash2 shape, and with
    ``--vllm-source`` vLLM's own ``unified_attention`` on the same ring (``vllm_unified.py``: its two Triton files
    from a vllm install or a carried, uncommitted copy), each provider checked against ringkv's output, baselines
@@ -42,19 +43,30 @@ HBM_BYTES_PER_S = 4.3e12
 SMOKE_SHAPE = DrafterShape(window=37, block_size=8, num_q_heads=4, num_kv_heads=1, head_dim=16)
 
 
-def build_batch(shape: DrafterShape, num_reqs: int, block: int, context_len: int, dtype, device, seed: int = 0):
+# fp8 rings: randn rows over the e4m3 range (|x| <= 4 sigma below 448 * scale)
+FP8_SCALE = 4.0 / 448
+
+
+def build_batch(shape: DrafterShape, num_reqs: int, block: int, context_len: int, dtype, device, seed: int = 0,
+                kv_cache_dtype: str | None = None):  # fmt: skip
     """N requests at the same context length: a ring each, live context written through ``ring_write``,
-    plus the same K/V linearized (``[N, Hkv, W-1+B, D]``) for the dense baselines."""
+    plus the same K/V linearized (``[N, Hkv, W-1+B, D]``) for the dense baselines. ``kv_cache_dtype`` (vLLM's
+    name, e.g. ``"fp8_e4m3"``): an fp8 ring with scales ``FP8_SCALE``, its dense K/V the dequantized ring in fp32."""
     import torch
     from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_write
+    from ringkv.kernels.kv_quant import FP8_KV_CACHE_DTYPES, dequantize, quantize_fp8
 
     plan = RingPlan(shape.window, shape.block_size, lookahead=max(block, 8))
     # generated where it is used: a 256-request batch is gigabytes
     generator = torch.Generator(device=device).manual_seed(seed)
     num_blocks = num_reqs * plan.num_blocks + 1
     pool = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
-    k_cache = torch.full(pool, float("nan"), dtype=dtype, device=device)
-    v_cache = torch.full(pool, float("nan"), dtype=dtype, device=device)
+    cache_dtype = dtype if kv_cache_dtype is None else FP8_KV_CACHE_DTYPES[kv_cache_dtype]
+    k_cache = torch.full(pool, float("nan"), dtype=cache_dtype, device=device)
+    v_cache = torch.full(pool, float("nan"), dtype=cache_dtype, device=device)
+    scales = {}
+    if kv_cache_dtype is not None:
+        scales = {name: torch.full((1,), FP8_SCALE, device=device) for name in ("k_scale", "v_scale")}
     rings = torch.randperm(num_blocks - 1, generator=generator, device=device) + 1
     rings = rings.view(num_reqs, plan.num_blocks).to(torch.int32)
     context = torch.arange(max(0, context_len - (shape.window - 1)), context_len)
@@ -68,7 +80,11 @@ def build_batch(shape: DrafterShape, num_reqs: int, block: int, context_len: int
     context = context.to(device)
     for r in range(num_reqs):
         slots = plan.slot_mapping(context, rings[r], seq_len=context_len)
-        ring_write(k_ctx[r], v_ctx[r], k_cache, v_cache, slots)
+        ring_write(k_ctx[r], v_ctx[r], k_cache, v_cache, slots, **scales)
+    if scales:
+        # what the ring holds, for the oracle: quantization error belongs to the input
+        k_ctx, v_ctx = (dequantize(quantize_fp8(x, scales["k_scale"], cache_dtype), scales["k_scale"], torch.float32)
+                        for x in (k_ctx, v_ctx))  # fmt: skip
     tokens = num_reqs * block
     q = randn(tokens, shape.num_q_heads, shape.head_dim)
     k_new = randn(tokens, shape.num_kv_heads, shape.head_dim)
@@ -79,10 +95,11 @@ def build_batch(shape: DrafterShape, num_reqs: int, block: int, context_len: int
         max_query_len=block, max_seq_len=context_len + block, table_period=plan.num_blocks, mode=BatchMode.DRAFT_BLOCK,
     )  # fmt: skip
     args = {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache, "batch": batch,
-            "window": shape.window, "causal": False}  # fmt: skip
+            "window": shape.window, "causal": False, **scales}  # fmt: skip
     # dense layout [N, H, L, D]: context then the block's own keys
-    k_dense = torch.cat([k_ctx, k_new.view(num_reqs, block, *k_new.shape[1:])], 1).transpose(1, 2)
-    v_dense = torch.cat([v_ctx, v_new.view(num_reqs, block, *v_new.shape[1:])], 1).transpose(1, 2)
+    k_blk, v_blk = (x.view(num_reqs, block, *x.shape[1:]).to(k_ctx.dtype) for x in (k_new, v_new))
+    k_dense = torch.cat([k_ctx, k_blk], 1).transpose(1, 2)
+    v_dense = torch.cat([v_ctx, v_blk], 1).transpose(1, 2)
     q_dense = q.view(num_reqs, block, *q.shape[1:]).transpose(1, 2)
     return args, (q_dense.contiguous(), k_dense.contiguous(), v_dense.contiguous()), ctx_len
 
@@ -219,20 +236,24 @@ def run_test_suite(timeout_s: int) -> dict:
 
 
 def bf16_cases(shape: DrafterShape, device, smoke: bool) -> list[dict]:
-    """bf16 on the DFlash2 shape: deep positions, a mixed batch, forced splits; 10 bitwise-equal repeats."""
+    """bf16 on the DFlash2 shape (bf16 and fp8 rings): deep positions, a mixed batch, forced splits; 10
+    bitwise-equal repeats."""
     import torch
     from ringkv.kernels import ring_attention
 
     rows = []
-    cases = [(1, 8, 262_136, None), (4, 16, 5_000, None), (2, 8, 3_000, 4), (1, 8, 100, None)]
+    cases = [(1, 8, 262_136, None, None), (4, 16, 5_000, None, None), (2, 8, 3_000, 4, None), (1, 8, 100, None, None),
+             (1, 8, 262_136, None, "fp8_e4m3"), (2, 8, 3_000, 4, "fp8_e5m2")]  # fmt: skip
     if smoke:
-        cases = cases[-1:]
-    for num_reqs, block, context_len, splits in cases:
-        args, dense, _ = build_batch(shape, num_reqs, block, context_len, torch.bfloat16, device, seed=context_len)
+        cases = [(1, 8, 100, None, None), (1, 8, 100, 2, "fp8_e4m3")]
+    for num_reqs, block, context_len, splits, kv in cases:
+        args, dense, _ = build_batch(shape, num_reqs, block, context_len, torch.bfloat16, device, seed=context_len,
+                                     kv_cache_dtype=kv)  # fmt: skip
         first = ring_attention(**args, num_splits=splits)
         repeats_equal = all(torch.equal(first, ring_attention(**args, num_splits=splits)) for _ in range(10))
         rows.append({"num_reqs": num_reqs, "block": block, "context_len": context_len, "num_splits": splits,
-                     "bitwise_repeats": repeats_equal, **gate(first, dense, context_len, shape.window)})  # fmt: skip
+                     "kv_cache_dtype": kv or "auto", "bitwise_repeats": repeats_equal,
+                     **gate(first, dense, context_len, shape.window)})  # fmt: skip
     return rows
 
 
@@ -271,24 +292,30 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, un
     for shape_name in shape_names:
         shape = SHAPES[shape_name] if not smoke else SMOKE_SHAPE
         primary = shape_name == "dflash2-32-8-128"
-        for block, num_reqs in grid:
+        # the DFlash2 shape also on an fp8 e4m3 ring (ringkv only: no baseline reads fp8 KV non-causally)
+        for kv, (block, num_reqs) in [(kv, point) for kv in ((None, "fp8_e4m3") if primary else (None,))
+                                      for point in grid]:  # fmt: skip
             context_len = 262_136 if not smoke else 100
-            per_set = 2 * num_reqs * (shape.window - 1 + block) * shape.num_kv_heads * shape.head_dim * dtype.itemsize
+            ring_itemsize = dtype.itemsize if kv is None else 1
+            per_set = 2 * num_reqs * (shape.window - 1 + block) * shape.num_kv_heads * shape.head_dim * ring_itemsize
             num_sets = 1 if smoke else max(1, min(32, triton.cdiv(COLD_SETS_BYTES, per_set)))
-            batches = [build_batch(shape, num_reqs, block, context_len, dtype, device, seed=s) for s in range(num_sets)]
+            batches = [build_batch(shape, num_reqs, block, context_len, dtype, device, seed=s, kv_cache_dtype=kv)
+                       for s in range(num_sets)]  # fmt: skip
             args, dense, ctx_len = batches[0]
             outs = [torch.empty_like(b[0]["q"]) for b in batches]
             calls = [lambda a=b[0], o=o: ring_attention(**a, out=o) for b, o in zip(batches, outs, strict=True)]
             calls[0]()
             check = gate(outs[0], dense, context_len, shape.window)
-            kv_bytes = 2 * num_reqs * (ctx_len + block) * shape.num_kv_heads * shape.head_dim * dtype.itemsize
+            kv_bytes = 2 * num_reqs * shape.num_kv_heads * shape.head_dim * (ctx_len * ring_itemsize
+                                                                             + block * dtype.itemsize)  # fmt: skip
             qo_bytes = 2 * num_reqs * block * shape.num_q_heads * shape.head_dim * dtype.itemsize
             base = {"shape": shape_name, "block": block, "num_reqs": num_reqs, "context_len": context_len,
-                    "dtype": str(dtype), "bytes": kv_bytes + qo_bytes, "ring_sets": num_sets}  # fmt: skip
+                    "dtype": str(dtype), "kv_cache_dtype": kv or "auto", "bytes": kv_bytes + qo_bytes,
+                    "ring_sets": num_sets}  # fmt: skip
             providers = {"ringkv": rotating(calls)}
             if device.type == "cuda" and num_reqs <= 8:
                 providers["ringkv-cudagraph"] = rotating(calls)
-            if primary or smoke:
+            if (primary or smoke) and kv is None:
                 compile_flex = not smoke and time.perf_counter() - started < budget_s
                 providers.update(make_baselines(dense, ctx_len, block, shape.window, device, compile_flex))
                 if unified is not None:

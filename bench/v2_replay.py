@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from ringkv.kernels.backend_step import attend, store_rows, vllm_batch
+from ringkv.kernels.backend_step import attend, split_kv_cache, store_rows, vllm_batch
 from ringkv.kernels.oracle import oracle_pair
 from ringkv.kernels.ring_geometry import PAD_SLOT
 from ringkv.kernels.shapes import DrafterShape
@@ -76,10 +76,11 @@ class Step:
 
     def run(self, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
         """``_prepare_graph_forward``'s context store, then the draft layer's ``forward``."""
-        store_rows(self.ctx_k, self.ctx_v, kv_cache, self.ctx_slots)
+        k_cache, v_cache = split_kv_cache(kv_cache, self.shape.head_dim)
+        store_rows(self.ctx_k, self.ctx_v, k_cache, v_cache, self.ctx_slots)
         batch = vllm_batch(self.query_start_loc, self.seq_lens, self.block_table, self.shape.lookahead,
                            self.max_model_len)  # fmt: skip
-        attend(self.q, self.k, self.v, kv_cache, batch, window=self.shape.window, causal=False,
+        attend(self.q, self.k, self.v, k_cache, v_cache, batch, window=self.shape.window, causal=False,
                scale=self.shape.head_dim**-0.5, out=out)  # fmt: skip
 
     def capture(self, kv_cache: torch.Tensor) -> Callable[[], None]:
@@ -158,7 +159,7 @@ def replay_graph(shape: DrafterShape, num_reqs: int, sizes: tuple, dtype: torch.
         request = Request(ring, first, randn(first_chunk, hkv, d), randn(first_chunk, hkv, d), step_start=first)
         slots = prepared_slots(gathered_row(request, shape, width, context_len),
                                torch.arange(first, context_len, device=device), bs)  # fmt: skip
-        store_rows(request.k_hist, request.v_hist, kv_cache, slots)
+        store_rows(request.k_hist, request.v_hist, *split_kv_cache(kv_cache, request.k_hist.shape[-1]), slots)
         requests.append(request)
     replay = step.capture(kv_cache) if device.type == "cuda" else (lambda: step.run(kv_cache, step.out))
     rows = []

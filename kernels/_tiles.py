@@ -12,6 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .kv_quant import upcast_interpreted
+
 
 @triton.jit
 def ring_tile_rows(table_row_ptr, start, k_pos, m_k, table_period, stride_bt_c: tl.int64, BS: tl.constexpr,
@@ -47,6 +49,7 @@ def load_kv_tile(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr = False,  # the rows are fp8 (ring history of an fp8 cache)
 ):
     # the head-dim mask only where the tile is padded: a row-uniform mask keeps 16-byte vector loads
     if BLOCK_D == D:
@@ -60,9 +63,18 @@ def load_kv_tile(
     b_k = tl.load(k_ptr + o_k[:, None] + o_d[None, :], mask=m_kd, other=0.0)
     b_v = tl.load(v_ptr + o_v[:, None] + o_dv[None, :], mask=m_vd, other=0.0)
     if UPCAST:
-        b_k = b_k.to(tl.float32)
-        b_v = b_v.to(tl.float32)
+        b_k = upcast_interpreted(b_k, KV_FP8)
+        b_v = upcast_interpreted(b_v, KV_FP8)
     return b_k, b_v
+
+
+@triton.jit
+def load_kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr):
+    # the per-layer dequantization scales of an fp8 ring ([1] fp32 each); 1 (folded away) otherwise
+    if KV_FP8:
+        return tl.load(k_scale_ptr), tl.load(v_scale_ptr)
+    else:
+        return 1.0, 1.0
 
 
 @triton.jit
@@ -90,27 +102,30 @@ def visible_mask(q_pos, k_pos, m_k, window, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def online_softmax_update(m_i, l_i, acc, s, v, FP32_IEEE: tl.constexpr):
-    # s: [BLOCK_M, TILE_N] log2-domain scores with -inf where invisible; v: [TILE_N, BLOCK_DV]
+def online_softmax_update(m_i, l_i, acc, s, v, v_scale, FP32_IEEE: tl.constexpr):
+    # s: [BLOCK_M, TILE_N] log2-domain scores with -inf where invisible; v: [TILE_N, BLOCK_DV], whose values are
+    # v_scale * v (an fp8 ring's dequantization, applied to the probabilities: fewer products than V has)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # rows that have seen no key yet keep m = -inf; pivot on 0 so exp2 gives 0, never NaN
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
+    p_v = p * v_scale
     if FP32_IEEE:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        pv = tl.dot(p_v, v.to(tl.float32), input_precision="ieee")
     else:
-        pv = tl.dot(p.to(v.dtype), v)
+        pv = tl.dot(p_v.to(v.dtype), v)
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
 
 @triton.jit
-def attend_tile(m_i, l_i, acc, b_q, b_k, b_v, m_vis, qk_scale, FP32_IEEE: tl.constexpr):
-    """Score one K/V tile, hide the invisible keys (``m_vis`` [BLOCK_M, TILE_N]), fold it into the online softmax."""
+def attend_tile(m_i, l_i, acc, b_q, b_k, b_v, m_vis, qk_scale, v_scale, FP32_IEEE: tl.constexpr):
+    """Score one K/V tile, hide the invisible keys (``m_vis`` [BLOCK_M, TILE_N]), fold it into the online softmax
+    (``v_scale`` multiplies the tile's V)."""
     b_s = tl.where(m_vis, scores(b_q, b_k, qk_scale, FP32_IEEE), float("-inf"))
-    return online_softmax_update(m_i, l_i, acc, b_s, b_v, FP32_IEEE)
+    return online_softmax_update(m_i, l_i, acc, b_s, b_v, v_scale, FP32_IEEE)
 
 
 @triton.jit
@@ -164,14 +179,18 @@ def attend_ring_range(
     lo, hi,  # ring history positions [lo, hi), all below every query, lo >= 0
     tile_lo, tile_hi,  # which tiles of [lo, hi) this program reads, counted from lo rounded down to TILE_N
     kc_ptr, vc_ptr, table_row_ptr, table_period,
+    k_scale, v_scale,  # dequantization of an fp8 ring (load_kv_scales)
     stride_kc_b: tl.int64, stride_kc_s: tl.int64, stride_vc_b: tl.int64, stride_vc_s: tl.int64,
     stride_bt_c: tl.int64,
     o_d, o_dv, qk_scale, window,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BS: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr, FP32_IEEE: tl.constexpr,
+    BS: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr, FP32_IEEE: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
-    """Ring history keys, one tile (= one KV block, or part of one, when ``TILE_N`` divides ``bs``) per step."""
+    """Ring history keys, one tile (= one KV block, or part of one, when ``TILE_N`` divides ``bs``) per step.
+    An fp8 ring is dequantized exactly: fp8 converts to the compute dtype without rounding, ``k_scale`` joins
+    the score scale and ``v_scale`` the probabilities."""
     o_n = tl.arange(0, TILE_N)
+    ring_qk_scale = qk_scale * k_scale
     base = lo - lo % TILE_N
     for i_t in range(tile_lo, tile_hi):
         start = base + i_t * TILE_N
@@ -180,12 +199,15 @@ def attend_ring_range(
         b_blk, o_in = ring_tile_rows(table_row_ptr, start, k_pos, m_k, table_period, stride_bt_c, BS, TILE_N)
         b_k, b_v = load_kv_tile(
             kc_ptr, vc_ptr, b_blk * stride_kc_b + o_in * stride_kc_s, b_blk * stride_vc_b + o_in * stride_vc_s,
-            m_k, o_d, o_dv, D, DV, BLOCK_D, BLOCK_DV, UPCAST,
+            m_k, o_d, o_dv, D, DV, BLOCK_D, BLOCK_DV, UPCAST, KV_FP8,
         )  # fmt: skip
+        if KV_FP8:
+            b_k = b_k.to(b_q.dtype)
+            b_v = b_v.to(b_q.dtype)
         # history keys lie below every query: only the left window edge and the range's end can hide them (keys
         # below lo are left of every row's window; they and the keys past hi were loaded as 0)
         m_vis = ((q_pos[:, None] - k_pos[None, :]) < window) & (k_pos < hi)[None, :]
-        m_i, l_i, acc = attend_tile(m_i, l_i, acc, b_q, b_k, b_v, m_vis, qk_scale, FP32_IEEE)
+        m_i, l_i, acc = attend_tile(m_i, l_i, acc, b_q, b_k, b_v, m_vis, ring_qk_scale, v_scale, FP32_IEEE)
     return m_i, l_i, acc
 
 
@@ -209,5 +231,5 @@ def attend_rows_range(
         b_k, b_v = load_kv_tile(k_ptr, v_ptr, o_tok * stride_k_t, o_tok * stride_v_t, m_k, o_d, o_dv, D, DV,
                                 BLOCK_D, BLOCK_DV, UPCAST)  # fmt: skip
         m_vis = visible_mask(q_pos, k_pos, m_k, window, CAUSAL)
-        m_i, l_i, acc = attend_tile(m_i, l_i, acc, b_q, b_k, b_v, m_vis, qk_scale, FP32_IEEE)
+        m_i, l_i, acc = attend_tile(m_i, l_i, acc, b_q, b_k, b_v, m_vis, qk_scale, 1.0, FP32_IEEE)
     return m_i, l_i, acc

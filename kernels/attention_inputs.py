@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .kv_quant import FP8_DTYPES, check_scale
 from .ring_geometry import UNBOUNDED_WINDOW, ring_blocks_needed
 from .varlen import MAX_QUERY_LEN as MAX_QUERY_LEN  # the draft-block limit, imported from here by integration
 from .varlen import BatchMode, VarlenBatch
@@ -23,12 +24,38 @@ KV_STRIDE_ELEMENTS = 16
 
 
 @dataclass(frozen=True)
+class RingCache:
+    """The ring's K/V cache views and, for an fp8 cache, its dequantization scales ([1] fp32): one run of kernel
+    arguments, ``pointers()`` and ``strides()``, the same in every ring kernel (``check_ring_cache`` builds it)."""
+
+    k_cache: torch.Tensor  # [num_blocks, bs, Hkv, D]
+    v_cache: torch.Tensor  # [num_blocks, bs, Hkv, Dv]
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+    @property
+    def fp8(self) -> bool:
+        return self.k_scale is not None
+
+    def pointers(self) -> tuple[torch.Tensor, ...]:
+        """K cache, V cache, K scale, V scale (an unquantized cache stands in for its scale: never read)."""
+        k_scale = self.k_cache if self.k_scale is None else self.k_scale
+        v_scale = self.v_cache if self.v_scale is None else self.v_scale
+        return self.k_cache, self.v_cache, k_scale, v_scale
+
+    def strides(self) -> tuple[int, ...]:
+        """Block, slot and head strides of the K cache, then of the V cache."""
+        return (*self.k_cache.stride()[:3], *self.v_cache.stride()[:3])
+
+
+@dataclass(frozen=True)
 class AttentionInputs:
-    """What validation derived: the GQA group, the softmax scale, and the output tensor."""
+    """What validation derived: the GQA group, the softmax scale, the output tensor, and the ring cache."""
 
     group_size: int
     scale: float
     out: torch.Tensor
+    cache: RingCache
 
 
 def debug_checks_enabled() -> bool:
@@ -75,6 +102,30 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads:
     check_kv_alignment("v_cache", v_cache)
 
 
+def check_ring_cache(
+    cache: RingCache, *, dtype: torch.dtype, num_kv_heads: int, head_dim: int, head_dim_v: int
+) -> RingCache:
+    """Cache views for rows of compute ``dtype`` (one of ``SUPPORTED_DTYPES``, checked by the caller): the same
+    dtype, or one fp8 dtype for both with both scales (returned as [1] fp32)."""
+    k_cache, v_cache, k_scale, v_scale = cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale
+    check_cache_pair(k_cache, v_cache, num_kv_heads, head_dim, head_dim_v)
+    if k_cache.dtype not in FP8_DTYPES and v_cache.dtype not in FP8_DTYPES:
+        if k_cache.dtype != dtype or v_cache.dtype != dtype:
+            raise ValueError(
+                f"k_cache/v_cache have dtypes {k_cache.dtype}/{v_cache.dtype} but the rows are {dtype}; use caches of "
+                "the rows' dtype, or fp8 caches (torch.float8_e4m3fn / float8_e5m2) with k_scale and v_scale"
+            )
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(
+                f"k_scale/v_scale were given for a {k_cache.dtype} cache; scales apply to fp8 caches only: drop them"
+            )
+        return cache
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}; view both as one fp8 dtype")
+    return RingCache(k_cache, v_cache, check_scale("k_scale", k_scale, k_cache.device),
+                     check_scale("v_scale", v_scale, v_cache.device))  # fmt: skip
+
+
 def check_kv_alignment(name: str, cache: torch.Tensor) -> None:
     """The fast kernels load K/V rows 16 bytes at a time; Triton proves that only for a cache whose base is
     16-byte aligned and whose block / slot / head strides are multiples of 16 elements (what a launch
@@ -100,8 +151,7 @@ def validate_attention_inputs(
     q: torch.Tensor,
     k_new: torch.Tensor,
     v_new: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: RingCache,
     batch: VarlenBatch,
     *,
     mode: BatchMode,
@@ -125,7 +175,7 @@ def validate_attention_inputs(
     num_kv_heads, head_dim_v = k_new.shape[1], v_new.shape[2]
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q has dtype {q.dtype}; supported: float16, bfloat16, float32")
-    for name, tensor in (("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, tensor in (("k_new", k_new), ("v_new", v_new)):
         if tensor.dtype != q.dtype:
             raise ValueError(f"{name} has dtype {tensor.dtype} but q has {q.dtype}; cast them to one dtype")
     if k_new.shape != (num_tokens, num_kv_heads, head_dim) or v_new.shape[:2] != (num_tokens, num_kv_heads):
@@ -140,8 +190,10 @@ def validate_attention_inputs(
             raise ValueError(f"{name}={dim} is not supported; ring_attention handles 1..{MAX_HEAD_DIM}")
     for name, tensor in (("q", q), ("k_new", k_new), ("v_new", v_new)):
         _check_inner_contiguous(name, tensor)
-    check_cache_pair(k_cache, v_cache, num_kv_heads, head_dim, head_dim_v)
-    check_same_device({"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache,
+    cache = check_ring_cache(cache, dtype=q.dtype, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                             head_dim_v=head_dim_v)  # fmt: skip
+    k_cache = cache.k_cache
+    check_same_device({"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": cache.v_cache,
                        **batch.tensors()})  # fmt: skip
     if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= UNBOUNDED_WINDOW:
         raise ValueError(
@@ -181,7 +233,7 @@ def validate_attention_inputs(
         _check_inner_contiguous("out", out)
     if debug_checks_enabled():
         check_metadata_ranges(batch, num_tokens, k_cache.shape[0])
-    return AttentionInputs(group_size=num_q_heads // num_kv_heads, scale=scale, out=out)
+    return AttentionInputs(group_size=num_q_heads // num_kv_heads, scale=scale, out=out, cache=cache)
 
 
 def check_metadata_ranges(batch: VarlenBatch, num_tokens: int, num_blocks: int) -> None:

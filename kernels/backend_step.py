@@ -16,41 +16,61 @@ from .ring_write import ring_write
 from .varlen import MAX_QUERY_LEN, BatchMode, VarlenBatch
 
 
-def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's per-layer ``[num_blocks, H, N, hs + hs_v]`` -> K and V views ``[num_blocks, N, H, hs]``."""
+def split_kv_cache(
+    kv_cache: torch.Tensor, head_size: int, fp8_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's per-layer ``[num_blocks, H, N, hs + hs_v]`` -> K and V views ``[num_blocks, N, H, hs]``; an fp8
+    ``kv_cache_dtype`` allocates uint8 (vLLM's ``STR_DTYPE_TO_TORCH_DTYPE``), viewed as ``fp8_dtype``."""
+    if fp8_dtype is not None:
+        if kv_cache.dtype not in (torch.uint8, fp8_dtype):
+            raise ValueError(
+                f"the layer's KV cache is {kv_cache.dtype} but kv_cache_dtype stores {fp8_dtype}: vLLM allocates fp8 "
+                "caches as uint8; check the cache config"
+            )
+        kv_cache = kv_cache.view(fp8_dtype)
     blocks_first = kv_cache.transpose(1, 2)
     return blocks_first[..., :head_size], blocks_first[..., head_size:]
 
 
-def store_rows(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """``do_kv_cache_update``: store ``key [n, Hkv, D]`` / ``value [n, Hkv, Dv]`` at ``slot_mapping[:n]``; PAD
-    (< 0) and superseded duplicates (all but a slot's last writer) are skipped. The last writers are computed from
-    this call's slots every time: vLLM fills its slot buffers in place."""
-    n = key.shape[0]
-    ring_write(key, value, *split_kv_cache(kv_cache, key.shape[-1]), last_writer_slots(slot_mapping[:n]))
+def store_rows(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    **scales: torch.Tensor,
+) -> None:
+    """``do_kv_cache_update``: store ``key [n, Hkv, D]`` / ``value [n, Hkv, Dv]`` at ``slot_mapping[:n]`` of the
+    ``split_kv_cache`` views; PAD (< 0) and superseded duplicates (all but a slot's last writer) are skipped. The
+    last writers are computed from this call's slots every time: vLLM fills its slot buffers in place. An fp8 cache
+    stores ``x / scale`` (``scales``: ``k_scale`` / ``v_scale``)."""
+    ring_write(key, value, k_cache, v_cache, last_writer_slots(slot_mapping[: key.shape[0]]), **scales)
 
 
 def attend(
     q: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    kv_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     batch: VarlenBatch,
     *,
     window: int,
     causal: bool,
     scale: float,
     out: torch.Tensor,
+    **scales: torch.Tensor,
 ) -> None:
-    """``forward``'s attention, ring read only: ``q [n, Hq, D]``, ``key [n, Hkv, D]``, ``value [n, Hkv, Dv]``,
-    ``out [n, Hq, Dv]``; a ``BatchMode.DRAFT_BLOCK`` batch goes to ``ring_attention``, a chunk to
-    ``ring_prefill_attention`` (which then leaves the ring to the caller)."""
-    k_cache, v_cache = split_kv_cache(kv_cache, q.shape[-1])
+    """``forward``'s attention, ring read only: ``q [n, Hq, D]``, ``key [n, Hkv, D]``, ``value [n, Hkv, Dv]``
+    over the ``split_kv_cache`` views, ``out [n, Hq, Dv]``; a ``BatchMode.DRAFT_BLOCK`` batch goes to
+    ``ring_attention``, a chunk to ``ring_prefill_attention`` (which then leaves the ring to the caller). An fp8
+    cache is dequantized on load (``scales``: ``k_scale`` / ``v_scale``)."""
     args = (q, key, value, k_cache, v_cache, batch)
+    options = {"window": window, "causal": causal, "scale": scale, "out": out, **scales}
     if batch.mode is BatchMode.DRAFT_BLOCK:
-        ring_attention(*args, window=window, causal=causal, scale=scale, out=out)
+        ring_attention(*args, **options)
     else:
-        ring_prefill_attention(*args, window=window, causal=causal, scale=scale, out=out, write_ring=False)
+        ring_prefill_attention(*args, **options, write_ring=False)
 
 
 def vllm_batch(

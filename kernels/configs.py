@@ -44,9 +44,12 @@ def ring_tile_keys(block_size: int) -> int:
     return tile
 
 
-def select_attention_config(*, group_size: int, head_dim: int, head_dim_v: int, block_size: int) -> AttentionConfig:
-    """Pick tiles from the head shape and block size only: never the number of requests, the draft-block length
-    or a position, so one compiled kernel serves every batch (and a CUDA graph replays for any position)."""
+def select_attention_config(
+    *, group_size: int, head_dim: int, head_dim_v: int, block_size: int, kv_fp8: bool = False
+) -> AttentionConfig:
+    """Pick tiles from the head shape, block size and ring dtype only: never the number of requests, the
+    draft-block length or a position, so one compiled kernel serves every batch (and a CUDA graph replays for
+    any position)."""
     block_m = max(ATTENTION_BLOCK_M, triton.next_power_of_2(group_size))
     return AttentionConfig(
         BLOCK_M=block_m,
@@ -56,8 +59,10 @@ def select_attention_config(*, group_size: int, head_dim: int, head_dim_v: int, 
         queries_per_block=block_m // group_size,
         num_warps=4,
         # three K/V tiles in flight per program: at the DFlash2 shape also the fewest registers (sm_90 128,
-        # sm_100 128; two stages: 118 / 158), so 4 CTAs per SM on both (bench/README.md)
-        num_stages=3,
+        # sm_100 128; two stages: 118 / 158), so 4 CTAs per SM on both (bench/README.md). An fp8 ring converts
+        # each tile to the compute dtype: three stages take sm_100 to 146 registers (3 CTAs per SM), two hold
+        # 128 / 121 (4 per SM); two fp8 tiles are the bytes of one bf16 tile (untimed: no GPU lent)
+        num_stages=2 if kv_fp8 else 3,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .kv_quant import FP8_DTYPES, dequantize, quantize_fp8
 from .oracle import attention_by_position
 from .ring_geometry import first_visible_position, table_slot_mapping
 from .varlen import VarlenBatch
@@ -33,6 +34,8 @@ def ring_attention_reference(
     window: int,
     causal: bool,
     scale: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float32,
     **_launch_options: object,
 ) -> torch.Tensor:
@@ -45,7 +48,8 @@ def ring_attention_reference(
 
     Args:
         q: [T, Hq, D]; k_new: [T, Hkv, D]; v_new: [T, Hkv, Dv].
-        k_cache: [num_blocks, bs, Hkv, D]; v_cache: [num_blocks, bs, Hkv, Dv] (any strides).
+        k_cache: [num_blocks, bs, Hkv, D]; v_cache: [num_blocks, bs, Hkv, Dv] (any strides); fp8 caches are
+            read as ``fp8 * k_scale`` / ``fp8 * v_scale`` (exactly, in fp64).
         batch: the ``VarlenBatch`` the kernels take (either mode).
         window: W. causal: causality among the batch's own keys. scale: default ``D ** -0.5``.
         compute_dtype: float64, float32, or the kernel's own dtype (``ref_lo`` of the tolerance rule).
@@ -70,8 +74,8 @@ def ring_attention_reference(
         query_pos = torch.arange(context_len, seq_len, device=q.device)
         out[begin:end] = attention_by_position(
             q[begin:end], query_pos,
-            torch.cat([gather_ring(k_cache, slots), k_new[begin:end]]),
-            torch.cat([gather_ring(v_cache, slots), v_new[begin:end]]),
+            torch.cat([dequantize(gather_ring(k_cache, slots), k_scale), k_new[begin:end].to(torch.float64)]),
+            torch.cat([dequantize(gather_ring(v_cache, slots), v_scale), v_new[begin:end].to(torch.float64)]),
             torch.cat([ctx_pos, query_pos]),
             window=window, causal=causal, scale=scale, compute_dtype=compute_dtype,
         ).to(q.dtype)  # fmt: skip
@@ -79,9 +83,17 @@ def ring_attention_reference(
 
 
 def ring_write_reference(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store row ``t`` of ``k``/``v`` ([T, Hkv, D]) at ring slot ``slot_mapping[t]``; slot < 0 is skipped."""
+    """Store row ``t`` of ``k``/``v`` ([T, Hkv, D]) at ring slot ``slot_mapping[t]``; slot < 0 is skipped. An fp8
+    cache stores ``quantize_fp8(row, scale)``."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].to(torch.int64)
     if torch.unique(slots).numel() != slots.numel():
@@ -89,5 +101,6 @@ def ring_write_reference(
     block_size = k_cache.shape[1]
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = torch.remainder(slots, block_size)
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+    for rows, cache, scale in ((k[keep], k_cache, k_scale), (v[keep], v_cache, v_scale)):
+        fp8 = cache.dtype in FP8_DTYPES
+        cache[blocks, offsets] = quantize_fp8(rows, scale, cache.dtype) if fp8 else rows.to(cache.dtype)

@@ -15,9 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tiles import attend_ring_range, attend_rows_range, load_query_rows, request_span, ring_tile_count
+from ._tiles import (
+    attend_ring_range,
+    attend_rows_range,
+    load_kv_scales,
+    load_query_rows,
+    request_span,
+    ring_tile_count,
+)
 from ._triton_utils import device_sms, is_interpreter
-from .attention_inputs import AttentionInputs, validate_attention_inputs
+from .attention_inputs import AttentionInputs, RingCache, validate_attention_inputs
 from .configs import MAX_SPLITS, AttentionConfig, select_attention_config, select_num_splits
 from .varlen import BatchMode, VarlenBatch
 
@@ -35,6 +42,8 @@ def _ring_attention_kernel(
     vn_ptr,  # [T, HKV, DV]
     kc_ptr,  # [num_blocks, BS, HKV, D]   ring keys (16-element strides, 16-byte aligned base)
     vc_ptr,  # [num_blocks, BS, HKV, DV]
+    k_scale_ptr,  # [1] fp32 when KV_FP8: the ring holds fp8(K / k_scale)
+    v_scale_ptr,  # [1] fp32 when KV_FP8
     block_table_ptr,  # [num_reqs, width] int32/int64
     query_start_loc_ptr,  # [num_reqs + 1]
     seq_lens_ptr,  # [num_reqs]   context_len + query_len
@@ -77,6 +86,7 @@ def _ring_attention_kernel(
     # the interpreter computes bf16 on raw bits: upcast right after every load
     UPCAST: tl.constexpr,
     FP32_IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the ring caches are fp8 (e4m3fn or e5m2), dequantized on load
 ):
     i_r = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -93,6 +103,7 @@ def _ring_attention_kernel(
         q_ptr, bos, q0, q_len, context_len, i_h, stride_q_t, stride_q_h, o_d, o_d < D, G, QUERIES_PER_BLOCK,
         BLOCK_M, UPCAST,
     )  # fmt: skip
+    k_scale, v_scale = load_kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -107,8 +118,8 @@ def _ring_attention_kernel(
     m_i, l_i, acc = attend_ring_range(
         m_i, l_i, acc, b_q, q_pos, ctx_lo, context_len, tile_lo, tile_hi,
         kc_ptr + i_h * stride_kc_h, vc_ptr + i_h * stride_vc_h, block_table_ptr + i_r * stride_bt_r, table_period,
-        stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, stride_bt_c, o_d, o_dv, qk_scale, window,
-        D, DV, BLOCK_D, BLOCK_DV, BS, TILE_N, UPCAST, FP32_IEEE,
+        k_scale, v_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, stride_bt_c, o_d, o_dv, qk_scale, window,
+        D, DV, BLOCK_D, BLOCK_DV, BS, TILE_N, UPCAST, FP32_IEEE, KV_FP8,
     )  # fmt: skip
 
     # the block's own keys at positions context_len .. context_len + q_len - 1 (last split only)
@@ -183,6 +194,8 @@ def ring_attention(
     window: int,
     causal: bool,
     scale: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -197,17 +210,20 @@ def ring_attention(
     Args:
         q: [T, Hq, D] fp16/bf16/fp32. k_new: [T, Hkv, D]. v_new: [T, Hkv, Dv].
         k_cache: [num_blocks, bs, Hkv, D] view, v_cache: [num_blocks, bs, Hkv, Dv]: any strides that are
-            multiples of 16 elements, 16-byte aligned base (``check_kv_alignment``).
+            multiples of 16 elements, 16-byte aligned base (``check_kv_alignment``); ``q.dtype``, or both
+            float8_e4m3fn / float8_e5m2 (``kv_quant``: the ring holds ``fp8(K / k_scale)``).
         batch: a ``VarlenBatch`` in ``BatchMode.DRAFT_BLOCK``.
         window: W >= 1. causal: causality among the block's own keys.
         scale: softmax scale, default ``D ** -0.5``.
+        k_scale, v_scale: [1] float tensors on the caches' device, for fp8 caches only (vLLM ``layer._k_scale``).
         out: optional [T, Hq, Dv] output. num_splits: force the split-KV count (tests, benchmarks).
 
     Returns:
         [T, Hq, Dv] in ``q.dtype``; rows past ``query_start_loc[-1]`` are left as they were.
     """
     inputs: AttentionInputs = validate_attention_inputs(
-        q, k_new, v_new, k_cache, v_cache, batch, mode=BatchMode.DRAFT_BLOCK, window=window, scale=scale, out=out,
+        q, k_new, v_new, RingCache(k_cache, v_cache, k_scale, v_scale), batch, mode=BatchMode.DRAFT_BLOCK,
+        window=window, scale=scale, out=out,
     )  # fmt: skip
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits={num_splits!r} must be an int >= 1 or None")
@@ -217,7 +233,11 @@ def ring_attention(
     if batch.num_reqs == 0 or num_tokens == 0:
         return out
     config: AttentionConfig = select_attention_config(
-        group_size=inputs.group_size, head_dim=head_dim, head_dim_v=head_dim_v, block_size=k_cache.shape[1]
+        group_size=inputs.group_size,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        block_size=k_cache.shape[1],
+        kv_fp8=inputs.cache.fp8,
     )
     num_m_blocks = triton.cdiv(batch.max_query_len, config.queries_per_block)
     if num_splits is None:
@@ -233,17 +253,15 @@ def ring_attention(
                       device=q.device)  # fmt: skip
     target = out if num_splits == 1 else out.new_empty(num_splits, num_tokens, num_q_heads, head_dim_v)
     _ring_attention_kernel[(batch.num_reqs, num_kv_heads, num_m_blocks * num_splits)](
-        target, lse, q, k_new, v_new, k_cache, v_cache, batch.block_table, batch.query_start_loc,
+        target, lse, q, k_new, v_new, *inputs.cache.pointers(), batch.block_table, batch.query_start_loc,
         batch.seq_lens, inputs.scale * LOG2E, window, batch.period, num_m_blocks, num_splits, num_tokens,
         target.stride(-3), target.stride(-2), lse.stride(1),
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        batch.block_table.stride(0), batch.block_table.stride(1),
+        *inputs.cache.strides(), batch.block_table.stride(0), batch.block_table.stride(1),
         G=inputs.group_size, D=head_dim, DV=head_dim_v, BS=k_cache.shape[1],
         QUERIES_PER_BLOCK=config.queries_per_block, BLOCK_M=config.BLOCK_M, TILE_N=config.TILE_N,
         BLOCK_D=config.BLOCK_D, BLOCK_DV=config.BLOCK_DV, CAUSAL=causal,
-        UPCAST=is_interpreter(), FP32_IEEE=q.dtype == torch.float32,
+        UPCAST=is_interpreter(), FP32_IEEE=q.dtype == torch.float32, KV_FP8=inputs.cache.fp8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if num_splits > 1:

@@ -14,9 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tiles import attend_ring_range, attend_rows_range, load_query_rows, request_span, ring_tile_count
+from ._tiles import (
+    attend_ring_range,
+    attend_rows_range,
+    load_kv_scales,
+    load_query_rows,
+    request_span,
+    ring_tile_count,
+)
 from ._triton_utils import is_interpreter
-from .attention_inputs import validate_attention_inputs
+from .attention_inputs import RingCache, validate_attention_inputs
 from .configs import PrefillConfig, select_prefill_config
 from .ring_attention import LOG2E
 from .ring_geometry import last_writer_slots, live_write_slots, table_slot_mapping, varlen_positions
@@ -34,6 +41,8 @@ def _ring_prefill_kernel(
     v_ptr,  # [T, HKV, DV]
     kc_ptr,  # [num_blocks, BS, HKV, D]   ring history (16-element strides, 16-byte aligned base)
     vc_ptr,  # [num_blocks, BS, HKV, DV]
+    k_scale_ptr,  # [1] fp32 when KV_FP8: the ring holds fp8(K / k_scale)
+    v_scale_ptr,  # [1] fp32 when KV_FP8
     block_table_ptr,  # [num_reqs, width]
     query_start_loc_ptr,  # [num_reqs + 1]
     seq_lens_ptr,  # [num_reqs]   context_len + query_len
@@ -72,6 +81,7 @@ def _ring_prefill_kernel(
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     FP32_IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # query tiles on grid x (the long dimension: grid y and z stop at 65,535)
     i_qt = tl.program_id(0)
@@ -87,6 +97,7 @@ def _ring_prefill_kernel(
     o_i, o_head, m_row, q_pos, b_q = load_query_rows(
         q_ptr, bos, q0, q_len, context_len, i_h, stride_q_t, stride_q_h, o_d, o_d < D, G, BLOCK_Q, BLOCK_M, UPCAST
     )
+    k_scale, v_scale = load_kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -97,8 +108,8 @@ def _ring_prefill_kernel(
     m_i, l_i, acc = attend_ring_range(
         m_i, l_i, acc, b_q, q_pos, hist_lo, context_len, 0, ring_tile_count(hist_lo, context_len, TILE_N),
         kc_ptr + i_h * stride_kc_h, vc_ptr + i_h * stride_vc_h, block_table_ptr + i_r * stride_bt_r, table_period,
-        stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, stride_bt_c, o_d, o_dv, qk_scale, window,
-        D, DV, BLOCK_D, BLOCK_DV, BS, TILE_N, UPCAST, FP32_IEEE,
+        k_scale, v_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, stride_bt_c, o_d, o_dv, qk_scale, window,
+        D, DV, BLOCK_D, BLOCK_DV, BS, TILE_N, UPCAST, FP32_IEEE, KV_FP8,
     )  # fmt: skip
 
     # source 2: the chunk's own keys, from the lowest any row of this tile sees to the highest (non-causal:
@@ -144,6 +155,8 @@ def ring_prefill_attention(
     window: int,
     causal: bool,
     scale: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     write_ring: bool = True,
     slot_mapping: torch.Tensor | None = None,
@@ -161,15 +174,17 @@ def ring_prefill_attention(
 
     Args:
         q: [T, Hq, D]; k: [T, Hkv, D]; v: [T, Hkv, Dv]. Caches: [num_blocks, bs, Hkv, D|Dv] views (strides that
-            are multiples of 16 elements, 16-byte aligned base).
+            are multiples of 16 elements, 16-byte aligned base) of ``q.dtype``, or fp8 with ``k_scale`` /
+            ``v_scale`` ([1] float tensors): read as ``fp8 * scale``, written quantized (``kv_quant``).
         batch: a ``VarlenBatch`` in ``BatchMode.PREFILL_CHUNK``.
 
     Returns:
         [T, Hq, Dv] in ``q.dtype``.
     """
     inputs = validate_attention_inputs(
-        q, k_new, v_new, k_cache, v_cache, batch, mode=BatchMode.PREFILL_CHUNK, window=window, scale=scale, out=out
-    )
+        q, k_new, v_new, RingCache(k_cache, v_cache, k_scale, v_scale), batch, mode=BatchMode.PREFILL_CHUNK,
+        window=window, scale=scale, out=out,
+    )  # fmt: skip
     out = inputs.out
     num_tokens, _, head_dim = q.shape
     if batch.num_reqs and num_tokens:
@@ -178,16 +193,15 @@ def ring_prefill_attention(
             max_query_len=batch.max_query_len, interpreted=is_interpreter(),
         )  # fmt: skip
         _ring_prefill_kernel[prefill_grid(batch, k_new.shape[1], config)](
-            out, q, k_new, v_new, k_cache, v_cache, batch.block_table, batch.query_start_loc, batch.seq_lens,
-            inputs.scale * LOG2E, window, batch.period,
+            out, q, k_new, v_new, *inputs.cache.pointers(), batch.block_table, batch.query_start_loc,
+            batch.seq_lens, inputs.scale * LOG2E, window, batch.period,
             out.stride(0), out.stride(1), q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
-            v_new.stride(0), v_new.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            v_new.stride(0), v_new.stride(1), *inputs.cache.strides(),
             batch.block_table.stride(0), batch.block_table.stride(1),
             G=inputs.group_size, D=head_dim, DV=v_new.shape[-1], BS=k_cache.shape[1], BLOCK_Q=config.BLOCK_Q,
             BLOCK_M=config.BLOCK_M, TILE_N=config.TILE_N, TILE_C=config.TILE_C, BLOCK_D=config.BLOCK_D,
             BLOCK_DV=config.BLOCK_DV, CAUSAL=causal, UPCAST=is_interpreter(), FP32_IEEE=q.dtype == torch.float32,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            KV_FP8=inputs.cache.fp8, num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
     if write_ring and num_tokens:
         if slot_mapping is None:
@@ -198,5 +212,5 @@ def ring_prefill_attention(
             ))  # fmt: skip
         else:
             slots = live_write_slots(slot_mapping, batch.query_start_loc, batch.seq_lens, num_tokens, window)
-        ring_write(k_new, v_new, k_cache, v_cache, slots)
+        ring_write(k_new, v_new, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
     return out

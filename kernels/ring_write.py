@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Triton scatter of K/V rows into the ring through a slot mapping (``ring_write``); must match
-``reference.ring_write_reference``. Slots come from ``RingPlan.slot_mapping`` (dead positions are PAD)."""
+``reference.ring_write_reference`` byte for byte. Slots come from ``RingPlan.slot_mapping`` (dead positions are
+PAD). An fp8 ring stores ``fp8(x / scale)`` (``kv_quant``: saturating, round to nearest even)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,21 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import is_interpreter
-from .attention_inputs import SUPPORTED_DTYPES, check_cache_pair, check_same_device
+from .attention_inputs import SUPPORTED_DTYPES, RingCache, check_ring_cache, check_same_device
 from .configs import select_write_config
+from .kv_quant import FP8_FORMATS, quantize_fp8_bits
 from .varlen import INDEX_DTYPES
+
+
+@triton.jit
+def store_value(b_x, scale_ptr, cache_ptr, KV_FP8: tl.constexpr, EXP_BIAS: tl.constexpr, MANTISSA: tl.constexpr,
+                MAX_FINITE: tl.constexpr):  # fmt: skip
+    # the rows as the cache holds them: quantized bytes (reinterpreted as the cache's fp8 type), or a plain cast
+    if KV_FP8:
+        bits = quantize_fp8_bits(b_x, tl.load(scale_ptr), EXP_BIAS, MANTISSA, MAX_FINITE)
+        return bits.to(cache_ptr.dtype.element_ty, bitcast=True)
+    else:
+        return b_x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -23,6 +36,8 @@ def _ring_write_kernel(
     # outputs
     kc_ptr,  # [num_blocks, BS, HKV, D]   any strides
     vc_ptr,  # [num_blocks, BS, HKV, DV]
+    k_scale_ptr,  # [1] fp32 when KV_FP8: stores fp8(K / k_scale)
+    v_scale_ptr,  # [1] fp32 when KV_FP8
     # scalars
     num_tokens,
     # strides
@@ -45,6 +60,11 @@ def _ring_write_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    # fp8 caches: the format's exponent bias, mantissa bits and largest finite value (kv_quant.FP8_FORMATS)
+    KV_FP8: tl.constexpr,
+    EXP_BIAS: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    MAX_FINITE: tl.constexpr,
 ):
     # rows [BLOCK_T] x (head, dim) columns [BLOCK_H * BLOCK_D]
     o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -57,17 +77,24 @@ def _ring_write_kernel(
     m_k = m_t[:, None] & ((o_h < HKV) & (o_d < D))[None, :]
     b_k = tl.load(k_ptr + o_t[:, None] * stride_k_t + (o_h * stride_k_h + o_d)[None, :], mask=m_k)
     p_kc = kc_ptr + (o_blk * stride_kc_b + o_off * stride_kc_s)[:, None] + (o_h * stride_kc_h + o_d)[None, :]
-    tl.store(p_kc, b_k.to(kc_ptr.dtype.element_ty), mask=m_k)
+    tl.store(p_kc, store_value(b_k, k_scale_ptr, kc_ptr, KV_FP8, EXP_BIAS, MANTISSA, MAX_FINITE), mask=m_k)
     o_hv = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H * BLOCK_DV) // BLOCK_DV
     o_dv = tl.arange(0, BLOCK_H * BLOCK_DV) % BLOCK_DV
     m_v = m_t[:, None] & ((o_hv < HKV) & (o_dv < DV))[None, :]
     b_v = tl.load(v_ptr + o_t[:, None] * stride_v_t + (o_hv * stride_v_h + o_dv)[None, :], mask=m_v)
     p_vc = vc_ptr + (o_blk * stride_vc_b + o_off * stride_vc_s)[:, None] + (o_hv * stride_vc_h + o_dv)[None, :]
-    tl.store(p_vc, b_v.to(vc_ptr.dtype.element_ty), mask=m_v)
+    tl.store(p_vc, store_value(b_v, v_scale_ptr, vc_ptr, KV_FP8, EXP_BIAS, MANTISSA, MAX_FINITE), mask=m_v)
 
 
 def ring_write(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Store K/V row ``t`` at flat ring slot ``slot_mapping[t]`` (``block_id * bs + offset``); ``< 0`` skips.
 
@@ -75,10 +102,12 @@ def ring_write(
     ``RingPlan.slot_mapping(..., seq_len=...)``, which PADs dead positions and keeps live slots distinct.
 
     Args:
-        k: [T, Hkv, D]; v: [T, Hkv, Dv], the dtype of the caches (fp16/bf16/fp32).
+        k: [T, Hkv, D]; v: [T, Hkv, Dv], fp16/bf16/fp32.
         k_cache: [num_blocks, bs, Hkv, D]; v_cache: [num_blocks, bs, Hkv, Dv] views with any strides
-            (vLLM's ``kv_cache[..., :D].transpose(1, 2)`` works as it is).
+            (vLLM's ``kv_cache[..., :D].transpose(1, 2)`` works as it is), of the rows' dtype, or both
+            float8_e4m3fn / float8_e5m2: then row ``x`` is stored as ``fp8(x / scale)`` (``kv_quant``).
         slot_mapping: [>= T] int32/int64.
+        k_scale, v_scale: [1] float tensors for fp8 caches only (vLLM ``layer._k_scale`` / ``_v_scale``).
     """
     for name, tensor in (("k", k), ("v", v)):
         if tensor.dim() != 3:
@@ -86,12 +115,13 @@ def ring_write(
     num_tokens, num_kv_heads, head_dim = k.shape
     if v.shape[:2] != (num_tokens, num_kv_heads):
         raise ValueError(f"v {tuple(v.shape)} must match k {tuple(k.shape)} in tokens and heads")
-    check_cache_pair(k_cache, v_cache, num_kv_heads, head_dim, v.shape[2])
-    if k.dtype not in SUPPORTED_DTYPES or k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+    if k.dtype not in SUPPORTED_DTYPES or v.dtype != k.dtype:
         raise ValueError(
-            f"k/v dtypes {k.dtype}/{v.dtype} must equal the cache dtypes {k_cache.dtype}/{v_cache.dtype} "
-            "(float16, bfloat16 or float32); cast the rows first"
+            f"k/v dtypes {k.dtype}/{v.dtype} must be one of float16, bfloat16, float32 (fp8 caches are written from "
+            "the compute dtype, quantized here); cast the rows first"
         )
+    cache = check_ring_cache(RingCache(k_cache, v_cache, k_scale, v_scale), dtype=k.dtype, num_kv_heads=num_kv_heads,
+                             head_dim=head_dim, head_dim_v=v.shape[2])  # fmt: skip
     if slot_mapping.dtype not in INDEX_DTYPES or slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_tokens:
         raise ValueError(
             f"slot_mapping is {slot_mapping.dtype} {tuple(slot_mapping.shape)}; expected int32/int64 [>= {num_tokens}]"
@@ -105,14 +135,15 @@ def ring_write(
     config = select_write_config(
         num_kv_heads=num_kv_heads, head_dim=max(head_dim, v.shape[2]), interpreted=is_interpreter()
     )
+    exp_bias, mantissa = FP8_FORMATS.get(k_cache.dtype, (0, 0))
+    max_finite = torch.finfo(k_cache.dtype).max if cache.fp8 else 0.0
     grid = (triton.cdiv(num_tokens, config.BLOCK_T), triton.cdiv(num_kv_heads, config.BLOCK_H))
     _ring_write_kernel[grid](
-        k, v, slot_mapping, k_cache, v_cache, num_tokens,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k, v, slot_mapping, *cache.pointers(), num_tokens,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *cache.strides(),
         HKV=num_kv_heads, D=head_dim, DV=v.shape[2], BS=k_cache.shape[1],
         BLOCK_T=config.BLOCK_T, BLOCK_H=config.BLOCK_H,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_DV=triton.next_power_of_2(v.shape[2]),
+        KV_FP8=cache.fp8, EXP_BIAS=exp_bias, MANTISSA=mantissa, MAX_FINITE=max_finite,
         num_warps=config.num_warps,
     )  # fmt: skip

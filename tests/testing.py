@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 from ringkv.kernels.attention_inputs import KV_STRIDE_ELEMENTS
+from ringkv.kernels.kv_quant import dequantize, quantize_fp8
 from ringkv.kernels.oracle import oracle_pair
 from ringkv.kernels.reference import ring_attention_reference, ring_write_reference
 from ringkv.kernels.ring_geometry import RingPlan, first_visible_position
@@ -45,6 +46,9 @@ class RingCase:
     history: list[tuple[int, torch.Tensor, torch.Tensor]] = field(repr=False)
     seed: int = 0
     mode: BatchMode = BatchMode.DRAFT_BLOCK
+    # fp8 caches: the per-layer dequantization scales ([1] fp32), else None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     def batch(self) -> VarlenBatch:
         """The case's varlen batch (bounds read from the tensors)."""
@@ -53,14 +57,17 @@ class RingCase:
         )
 
     def kernel_args(self) -> dict[str, object]:
+        scales = {} if self.k_scale is None else {"k_scale": self.k_scale, "v_scale": self.v_scale}
         return {
             "q": self.q, "k_new": self.k_new, "v_new": self.v_new, "k_cache": self.k_cache,
-            "v_cache": self.v_cache, "batch": self.batch(), "window": self.window, "causal": self.causal,
+            "v_cache": self.v_cache, "batch": self.batch(), "window": self.window, "causal": self.causal, **scales,
         }  # fmt: skip
 
     def to(self, device: torch.device) -> RingCase:
         """The same case with every tensor on ``device``."""
         moved = {name: getattr(self, name).to(device) for name in TENSOR_FIELDS}
+        if self.k_scale is not None:
+            moved |= {"k_scale": self.k_scale.to(device), "v_scale": self.v_scale.to(device)}
         # .to() would copy a padded view into a dense (unaligned) tensor: move the padded storage instead
         for name in ("k_cache", "v_cache"):
             cache = getattr(self, name)
@@ -74,7 +81,8 @@ class RingCase:
 
 
 def aligned_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A NaN-filled ``[num_blocks, bs, H, D]`` view of storage with D padded to a multiple of 16 elements."""
+    """A NaN-filled ``[num_blocks, bs, H, D]`` view of storage with D padded to a multiple of 16 elements (fp8:
+    the NaN byte 0x7F)."""
     padded = triton.cdiv(shape[-1], KV_STRIDE_ELEMENTS) * KV_STRIDE_ELEMENTS
     return torch.full((*shape[:-1], padded), NAN, dtype=dtype, device=device)[..., : shape[-1]]
 
@@ -96,6 +104,7 @@ def make_ring_case(
     seed: int = 0,
     history_fn=None,
     mode: BatchMode = BatchMode.DRAFT_BLOCK,
+    kv_dtype: torch.dtype | None = None,
 ) -> RingCase:
     """Build a batch: request ``r`` has context_len ``P_r`` positions and ``B_r`` queries (a draft block, or a
     prefill chunk with ``mode=BatchMode.PREFILL_CHUNK``).
@@ -106,6 +115,8 @@ def make_ring_case(
     compact R-column rows. ``history_fn(positions) -> (k, v)`` overrides the random history values.
     The caches are ``[..., :D]`` views of storage whose head dim is padded (with NaN) to a multiple of 16
     elements, the alignment the kernels require (``check_kv_alignment``).
+    ``kv_dtype`` (float8_e4m3fn / float8_e5m2) makes the caches fp8 with random per-case scales; the history the
+    oracle sees is then the dequantized ring (quantization error belongs to the input, not to the kernel).
     """
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     generator = torch.Generator().manual_seed(seed)
@@ -115,8 +126,13 @@ def make_ring_case(
     ring_blocks = plan.num_blocks
     num_reqs = len(requests)
     num_blocks = 2 * ring_blocks * num_reqs + 1
-    k_cache = aligned_cache((num_blocks, block_size, num_kv_heads, head_dim), dtype)
-    v_cache = aligned_cache((num_blocks, block_size, num_kv_heads, head_dim_v), dtype)
+    cache_dtype = dtype if kv_dtype is None else kv_dtype
+    k_cache = aligned_cache((num_blocks, block_size, num_kv_heads, head_dim), cache_dtype)
+    v_cache = aligned_cache((num_blocks, block_size, num_kv_heads, head_dim_v), cache_dtype)
+    scales: dict[str, torch.Tensor] = {}
+    if kv_dtype is not None:
+        # scales that put randn rows over most of the fp8 range (and a few e4m3 rows past it: saturation)
+        scales = {name: torch.rand(1, generator=generator) * 0.05 + 0.005 for name in ("k_scale", "v_scale")}
     physical = (torch.randperm(num_blocks - 1, generator=generator) + 1)[: ring_blocks * num_reqs]
     rings = physical.view(num_reqs, ring_blocks).to(torch.int32)
     if full_rows:
@@ -139,10 +155,13 @@ def make_ring_case(
         else:
             k_hist, v_hist = history_fn(positions)
             k_hist, v_hist = k_hist.to(dtype), v_hist.to(dtype)
-        history.append((first, k_hist, v_hist))
         live = positions >= first_visible_position(p, window)
         slots = plan.slot_mapping(positions[live], block_table[r], period=table_period or block_table.shape[1])
-        ring_write_reference(k_hist[live], v_hist[live], k_cache, v_cache, slots)
+        ring_write_reference(k_hist[live], v_hist[live], k_cache, v_cache, slots, **scales)
+        if scales:
+            k_hist = dequantize(quantize_fp8(k_hist, scales["k_scale"], kv_dtype), scales["k_scale"])
+            v_hist = dequantize(quantize_fp8(v_hist, scales["v_scale"], kv_dtype), scales["v_scale"])
+        history.append((first, k_hist, v_hist))
     lens = [b for _, b in requests]
     num_tokens = sum(lens) + pad_tokens
     q = torch.randn(num_tokens, num_q_heads, head_dim, generator=generator).to(dtype)
@@ -152,7 +171,7 @@ def make_ring_case(
     seq_lens = torch.tensor([p + b for p, b in requests], dtype=torch.int32)
     return RingCase(
         q, k_new, v_new, k_cache, v_cache, block_table, starts, seq_lens, window, causal,
-        table_period, plan, history, seed, mode,
+        table_period, plan, history, seed, mode, **scales,
     )  # fmt: skip
 
 

@@ -5,21 +5,28 @@ Context K/V for a ``context``-position prompt are written in chunks through the 
 synthesized, seeded: the point is the drafter's KV path, not a target forward), then ``steps`` draft steps
 with random acceptance lengths. Every step's draft logits from the ring are checked against a full-history
 cache (every position kept, window mask by absolute position) under the tolerance rule: the full-history
-drafter in fp64 is ``ref_hi``, in fp32 ``ref_lo``.
+drafter in fp64 is ``ref_hi``, in fp32 ``ref_lo``. With an fp8 ``kv_cache_dtype`` the ring stores fp8 rows
+(``Fp8DraftKVCache``, scales 1.0 as vLLM's default) while both references keep exact K/V: the error is then the
+quantization's, and the tolerance bound (a kernel bound) is reported beside it: ``error.ok`` is then no gate.
+
+Run: ``.venv/bin/python -m ringkv.dflash2.harness.smoke --context 262144 --kv-cache-dtype fp8_e4m3``.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from ringkv.dflash2.model import DFlash2Drafter
+from ringkv.kernels.kv_quant import fp8_dtype_of
 from ringkv.kernels.tolerance import ErrorReport, attention_error
 
+from .fp8_ring_cache import Fp8DraftKVCache
 from .ring_cache import DraftKVCache
 from .tiny import random_drafter, tiny_config
 
@@ -35,6 +42,7 @@ class SmokeResult:
     ring_kv_bytes: int
     full_kv_bytes: int
     seconds: float
+    kv_cache_dtype: str = "auto"
 
 
 def run_smoke(
@@ -48,6 +56,7 @@ def run_smoke(
     attention: str = "triton",
     device: str = "cpu",
     progress: Callable[[str, int], None] | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> SmokeResult:
     """Ring vs full-history drafter on one request at ``context`` positions (see the module docstring)."""
     config = tiny_config(window=window, block_size=block_size, hidden_size=64, num_layers=2, num_q_heads=4,
@@ -58,7 +67,11 @@ def run_smoke(
     head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False).to(device)
     embed64, head64 = copy.deepcopy(embed).double(), copy.deepcopy(head).double()
     capacity = context + steps * block_size + block_size
-    ring = DraftKVCache(config, 1, attention=attention, kv_block_size=16, device=device)  # type: ignore[arg-type]
+    options = {"attention": attention, "kv_block_size": 16, "device": device}
+    if fp8_dtype_of(kv_cache_dtype) is None:
+        ring = DraftKVCache(config, 1, **options)  # type: ignore[arg-type]
+    else:
+        ring = Fp8DraftKVCache(config, 1, kv_cache_dtype=kv_cache_dtype, **options)
     full32 = DraftKVCache(config, 1, mode="full", max_positions=capacity, device=device)
     full64 = DraftKVCache(config, 1, mode="full", max_positions=capacity, dtype=torch.float64, device=device)
     features_rng = torch.Generator().manual_seed(seed)
@@ -96,7 +109,7 @@ def run_smoke(
     return SmokeResult(
         context=context, steps=steps, final_position=context_len, error=worst, worst_step=worst_step,
         ring_kv_bytes=ring.nbytes(), full_kv_bytes=_full_bytes(full32, context_len),
-        seconds=time.perf_counter() - started,
+        seconds=time.perf_counter() - started, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
 
 
@@ -107,4 +120,17 @@ def _full_bytes(cache: DraftKVCache, positions: int) -> int:
     return per_position * positions
 
 
+def main(context: int = 262_144, steps: int = 32, kv_cache_dtype: str = "auto", device: str = "cpu") -> None:
+    """One smoke run, its result as JSON (``ringkv smoke`` prints the same figures as text)."""
+    import typer
+
+    result = run_smoke(context, steps, kv_cache_dtype=kv_cache_dtype, device=device)
+    typer.echo(json.dumps(asdict(result)))
+
+
 __all__ = ["DFlash2Drafter", "SmokeResult", "run_smoke"]
+
+if __name__ == "__main__":
+    import typer
+
+    typer.run(main)

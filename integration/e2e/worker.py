@@ -38,6 +38,8 @@ class EngineRunSpec:
     kv_cache_gib: int = 1
     probe: dict[str, Any] | None = None
     dtype: str = "float32"
+    # the drafter's own KV cache dtype (vLLM speculative_config.kv_cache_dtype, e.g. "fp8_e4m3"); None inherits
+    drafter_kv_cache_dtype: str | None = None
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -74,6 +76,8 @@ def engine_kwargs(spec: EngineRunSpec) -> dict[str, Any]:
         if spec.drafter_backend == "ring":
             # the documented selection
             speculative["attention_backend"] = "RINGKV"
+        if spec.drafter_kv_cache_dtype is not None:
+            speculative["kv_cache_dtype"] = spec.drafter_kv_cache_dtype
         kwargs["speculative_config"] = speculative
     if spec.target_on_ring:
         kwargs["attention_config"] = {"backend_per_kind": {"sliding_window": "RINGKV"}}

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 import torch
 from ringkv.kernels.attention_inputs import MAX_HEAD_DIM
+from ringkv.kernels.kv_quant import FP8_KV_CACHE_DTYPES, UNQUANTIZED_KV_CACHE_DTYPES
 
 from ._compat import AttentionBackend, MultipleOf, SlidingWindowSpec, get_current_vllm_config_or_none
 from .impl import RingKVImpl
@@ -22,7 +23,8 @@ class RingKVBackend(AttentionBackend):
     """Drop-in attention backend for sliding-window drafter layers on a fixed per-request ring."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", "float16", "bfloat16"]
+    # vLLM CacheDType names: unquantized, and per-tensor fp8 with the layer's k_scale / v_scale (kernels/kv_quant.py)
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = [*UNQUANTIZED_KV_CACHE_DTYPES, *FP8_KV_CACHE_DTYPES]
     # forward reads the block's own K/V from its inputs and stores nothing (see impl.py)
     forward_includes_kv_cache_update: bool = True
 

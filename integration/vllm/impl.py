@@ -15,10 +15,26 @@ from typing import Any
 import torch
 from ringkv.kernels import ring_write
 from ringkv.kernels.backend_step import attend, split_kv_cache, store_rows, vllm_batch
+from ringkv.kernels.kv_quant import fp8_dtype_of
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, live_write_slots
 
 from ._compat import AttentionImpl, AttentionLayer, AttentionType
 from .metadata import RingAttentionMetadata
+
+
+def layer_scales(layer: AttentionLayer | None, fp8_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The kernels' ``k_scale`` / ``v_scale`` for an fp8 cache: the layer's ``_k_scale`` / ``_v_scale`` (vLLM's
+    Attention layer carries them, 1.0 unless a checkpoint sets them); nothing for an unquantized cache."""
+    if fp8_dtype is None:
+        return {}
+    scales = {name: getattr(layer, f"_{name}", None) for name in ("k_scale", "v_scale")}
+    missing = [name for name, scale in scales.items() if scale is None]
+    if missing:
+        raise ValueError(
+            f"an fp8 KV cache needs the layer's {' and '.join('_' + name for name in missing)} (vLLM's Attention "
+            f"layer sets them); got {type(layer).__name__}"
+        )
+    return scales
 
 
 class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
@@ -40,8 +56,10 @@ class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
             raise NotImplementedError("ringkv: ALiBi is not supported")
         if logits_soft_cap not in (None, 0, 0.0):
             raise NotImplementedError(f"ringkv: logits_soft_cap={logits_soft_cap} is not supported")
-        if kv_cache_dtype not in ("auto", "float16", "bfloat16"):
-            raise NotImplementedError(f"ringkv: kv_cache_dtype={kv_cache_dtype!r} (quantized KV) is not supported")
+        try:
+            self.fp8_dtype = fp8_dtype_of(kv_cache_dtype)
+        except ValueError as error:
+            raise NotImplementedError(f"ringkv: {error}") from None
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"ringkv: attn_type={attn_type} is not supported (decoder attention only)")
         if unsupported.get("sinks") is not None:
@@ -79,16 +97,18 @@ class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
             return output.fill_(0)
         md = attn_metadata
         n = md.num_actual_tokens
+        k_cache, v_cache = split_kv_cache(kv_cache, self.head_size, self.fp8_dtype)
+        scales = layer_scales(layer, self.fp8_dtype)
         q = query[:n].view(n, self.num_heads, self.head_size)
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, -1)
         batch = vllm_batch(md.query_start_loc, md.seq_lens, md.block_table, md.max_query_len, md.max_seq_len)
-        attend(q, k, v, kv_cache, batch, window=self.window, causal=md.causal, scale=self.scale,
-               out=output[:n].view(n, self.num_heads, -1))  # fmt: skip
+        attend(q, k, v, k_cache, v_cache, batch, window=self.window, causal=md.causal, scale=self.scale,
+               out=output[:n].view(n, self.num_heads, -1), **scales)  # fmt: skip
         if md.persist_new_rows and n:
             # write-after-read: the chunk's first queries needed the history these rows may replace
             slots = live_write_slots(md.slot_mapping, md.query_start_loc, md.seq_lens, n, self.window)
-            ring_write(k, v, *split_kv_cache(kv_cache, self.head_size), slots)
+            ring_write(k, v, k_cache, v_cache, slots, **scales)
         return output
 
     def do_kv_cache_update(
@@ -101,6 +121,6 @@ class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
     ) -> None:
         """Store context K/V rows at their ring slots; PAD (< 0) and superseded duplicates are skipped."""
         n = key.shape[0]
-        store_rows(
-            key.view(n, self.num_kv_heads, self.head_size), value.view(n, self.num_kv_heads, -1), kv_cache, slot_mapping
-        )
+        k_cache, v_cache = split_kv_cache(kv_cache, self.head_size, self.fp8_dtype)
+        k, v = key.view(n, self.num_kv_heads, self.head_size), value.view(n, self.num_kv_heads, -1)
+        store_rows(k, v, k_cache, v_cache, slot_mapping, **layer_scales(layer, self.fp8_dtype))

@@ -75,6 +75,11 @@ def test_gates_catch_spills_narrow_loads_and_register_pressure():
         '_ring_attention_kernel decode {"N": 1, "G": 4, "D": 128} sm_90: 8 bytes of spills'
     ]
     assert "narrower than 128 bits" in gate_failures([{**good, "kv_loads": {"LDG.E.U16": 16, "LDG.E.128": 4}}])[0]
+    # an fp8 tile of 16 keys x 64 dims is 1 KB: 8 bytes for each of 128 threads
+    fp8_d64 = {**good, "D": 64, "kv": "fp8_e4m3", "kv_loads": {"LDGSTS.E.64": 6}}
+    assert gate_failures([fp8_d64]) == []
+    assert "narrower than 64 bits" in gate_failures([{**fp8_d64, "kv_loads": {"LDG.E": 6}}])[0]
+    assert "narrower than 128 bits" in gate_failures([{**fp8_d64, "D": 128}])[0]
     assert "no K/V tile load" in gate_failures([{**good, "kv_loads": {}}])[0]
     assert "160 registers x 4 warps" in gate_failures([{**good, "regs": 160, "ctas_per_sm": 3}])[0]
     assert gate_failures([{**good, "G": 8, "regs": 200, "ctas_per_sm": 2}]) == [], "the register gate is DFlash2's"

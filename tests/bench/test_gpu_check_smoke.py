@@ -22,6 +22,8 @@ def test_gpu_check_smoke(tmp_path):
     report = json.loads((tmp_path / "gpu_check_smoke.json").read_text())
     # bitwise repeats are the GPU's question (the interpreter is deterministic): here the gate alone
     assert all(row["ok"] for row in report["bf16"])
+    assert {row["kv_cache_dtype"] for row in report["bf16"]} == {"auto", "fp8_e4m3"}
+    assert {row["kv_cache_dtype"] for row in report["timing"] if row["provider"] == "ringkv"} == {"auto", "fp8_e4m3"}
     providers = {row["provider"] for row in report["timing"]}
     assert providers == {"ringkv", "torch-sdpa", "torch-flex"}
     assert all("error" not in row for row in report["timing"]), report["timing"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ringkv.dflash2.harness.fp8_ring_cache import Fp8DraftKVCache
 from ringkv.dflash2.harness.ring_cache import DraftKVCache
 from ringkv.dflash2.harness.smoke import run_smoke
 from ringkv.dflash2.harness.spec_decode import TargetModel, greedy_reference, speculative_generate
@@ -50,6 +51,9 @@ def drafts_from(cache_kind: str, steps: int = 6):
     features = torch.randn(60 + 4 * steps, drafter.fc.in_features)
     if cache_kind == "ring":
         cache = DraftKVCache(config, 1, kv_block_size=4)
+    elif cache_kind.startswith("fp8"):
+        attention = "reference" if cache_kind.endswith("reference") else "triton"
+        cache = Fp8DraftKVCache(config, 1, kv_cache_dtype="fp8_e4m3", kv_block_size=4, attention=attention)
     else:
         cache = DraftKVCache(config, 1, mode="full", max_positions=200)
     logits, context_len = [], 0
@@ -65,6 +69,15 @@ def test_ring_drafts_match_the_full_history_cache():
     ring, full = drafts_from("ring"), drafts_from("full")
     report = attention_error(ring, full.double(), full)
     assert report.ok, report
+
+
+def test_fp8_ring_drafts_match_the_reference_on_the_same_fp8_ring():
+    """The Triton fp8 ring and the PyTorch reference on the same quantized rows agree to the fp32 bound; both
+    differ from the exact full-history drafter by the quantization only (a few percent of the logits here)."""
+    fp8, fp8_reference, full = drafts_from("fp8"), drafts_from("fp8-reference"), drafts_from("full")
+    report = attention_error(fp8, fp8_reference.double(), fp8_reference)
+    assert report.ok, report
+    assert 0 < float((fp8 - full).abs().max()) < 0.1 * float(full.abs().max())
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -56,6 +56,11 @@ def test_declared_capabilities():
     assert RingKVBackend.get_supported_kernel_block_sizes() == [MultipleOf(16)]
     assert RingKVBackend.supports_block_size(16) and not RingKVBackend.supports_block_size(8)
     assert RingKVBackend.forward_includes_kv_cache_update
+    # vLLM's own check (AttentionBackend.supports_kv_cache_dtype) over its CacheDType names
+    for name in ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        assert RingKVBackend.supports_kv_cache_dtype(name), name
+    for name in ("fp8_inc", "fp8_ds_mla", "fp8_per_token_head", "int8_per_token_head"):
+        assert not RingKVBackend.supports_kv_cache_dtype(name), name
 
 
 def test_customize_spec_is_idempotent_and_derives_r_from_the_final_block_size():
@@ -183,10 +188,16 @@ def vllm_slot_mapping(row: torch.Tensor, positions: torch.Tensor, block_size: in
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("causal", [False, True])
-def test_forward_and_kv_update_with_common_attention_metadata(causal, device):
+@pytest.mark.parametrize(
+    ("causal", "kv_cache_dtype"), [(False, "auto"), (True, "auto"), (False, "fp8_e4m3"), (True, "fp8_e5m2")]
+)
+def test_forward_and_kv_update_with_common_attention_metadata(causal, kv_cache_dtype, device):
     """Two requests through vLLM's KVCacheManager (ring), context written by do_kv_cache_update in chunks,
-    then one draft block each through forward, against an SDPA oracle over the dense history."""
+    then one draft block each through forward, against an SDPA oracle over the dense history (fp8: vLLM's uint8
+    cache full of NaN bytes, the layer's scalar _k_scale / _v_scale, the oracle on the dequantized history)."""
+    from types import SimpleNamespace
+
+    from ringkv.kernels.kv_quant import dequantize, fp8_dtype_of, quantize_fp8
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     from tests.testing import oracle_pair
@@ -198,7 +209,13 @@ def test_forward_and_kv_update_with_common_attention_metadata(causal, device):
     prompts = {"a": 300, "b": 37}
     heads, dim, bs = SMALL.drafter.num_kv_heads, SMALL.drafter.head_dim, SMALL.drafter.block_size
     kv_cache = torch.full((SMALL.pool_blocks, heads, bs, 2 * dim), NAN).to(device)  # vLLM [B, H, N, 2D]
-    impl = RingKVBackend.get_impl_cls()(NUM_Q_HEADS, dim, dim**-0.5, heads, sliding_window=SMALL.drafter.window)
+    fp8 = fp8_dtype_of(kv_cache_dtype)
+    layer = None
+    if fp8 is not None:
+        kv_cache = kv_cache.to(fp8).view(torch.uint8)  # the NaN byte everywhere
+        layer = SimpleNamespace(_k_scale=torch.tensor(0.02, device=device), _v_scale=torch.tensor(0.03, device=device))
+    impl = RingKVBackend.get_impl_cls()(NUM_Q_HEADS, dim, dim**-0.5, heads, sliding_window=SMALL.drafter.window,
+                                        kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     history = {}
     for rid, length in prompts.items():
         request = make_request(rid, length)
@@ -211,7 +228,7 @@ def test_forward_and_kv_update_with_common_attention_metadata(causal, device):
             row = torch.tensor([b.block_id for b in drafter.req_to_blocks[rid]])
             slots = vllm_slot_mapping(row, torch.arange(start, end), bs)
             k, v = history[rid][0][start:end], history[rid][1][start:end]
-            impl.do_kv_cache_update(None, k.to(device), v.to(device), kv_cache, slots.to(device))
+            impl.do_kv_cache_update(layer, k.to(device), v.to(device), kv_cache, slots.to(device))
     block = SMALL.drafter.lookahead
     width = max(len(drafter.req_to_blocks[r]) for r in prompts)
     table = torch.zeros(len(prompts), width, dtype=torch.int32)
@@ -233,7 +250,11 @@ def test_forward_and_kv_update_with_common_attention_metadata(causal, device):
     q = torch.randn(tokens, NUM_Q_HEADS * dim)
     k_new, v_new = torch.randn(tokens, heads, dim), torch.randn(tokens, heads, dim)
     output = torch.full((tokens + 3, NUM_Q_HEADS * dim), NAN, device=device)
-    impl.forward(None, q.to(device), k_new.to(device), v_new.to(device), kv_cache, metadata, output)
+    impl.forward(layer, q.to(device), k_new.to(device), v_new.to(device), kv_cache, metadata, output)
+    if fp8 is not None:
+        scales = (layer._k_scale.cpu(), layer._v_scale.cpu())
+        history = {r: tuple(dequantize(quantize_fp8(x, s, fp8), s) for x, s in zip(kv, scales, strict=True))
+                   for r, kv in history.items()}  # fmt: skip
     expected, expected_lo = oracle_pair(
         q.view(tokens, NUM_Q_HEADS, dim), k_new, v_new, [(0, *history[r]) for r in prompts], query_start_loc,
         seq_lens, window=SMALL.drafter.window, causal=causal,

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.vllm
     [
         ({"alibi_slopes": [1.0, 2.0]}, "ALiBi"),
         ({"logits_soft_cap": 30.0}, "logits_soft_cap=30.0"),
-        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8'"),
+        ({"kv_cache_dtype": "fp8_inc"}, "kv_cache_dtype='fp8_inc' is not supported"),
+        ({"kv_cache_dtype": "int8_per_token_head"}, "kv_cache_dtype='int8_per_token_head'"),
         ({"attn_type": "encoder_only"}, "attn_type=encoder_only"),
         ({"sinks": torch.zeros(2)}, "attention sinks"),
     ],
@@ -35,6 +36,15 @@ pytestmark = pytest.mark.vllm
 def test_impl_refuses_unsupported_features(kwargs, message):
     with pytest.raises(NotImplementedError, match=message):
         RingKVImpl(2, 16, 0.25, 1, sliding_window=64, **kwargs)
+
+
+def test_fp8_forward_needs_the_layers_scales_and_a_byte_cache():
+    impl = RingKVImpl(2, 16, 0.25, 1, sliding_window=64, kv_cache_dtype="fp8")
+    rows, slots = torch.zeros(1, 16), torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="needs the layer's _k_scale and _v_scale"):
+        impl.do_kv_cache_update(None, rows, rows, torch.zeros(2, 1, 16, 32, dtype=torch.uint8), slots)
+    with pytest.raises(ValueError, match=r"the layer's KV cache is torch\.bfloat16 but kv_cache_dtype stores"):
+        impl.do_kv_cache_update(None, rows, rows, torch.zeros(2, 1, 16, 32, dtype=torch.bfloat16), slots)
 
 
 def test_forward_refuses_fused_output_quantization():

@@ -152,7 +152,12 @@ def _write_args():
 BAD_WRITE = [
     ("slots-float", {"slot_mapping": torch.arange(4).float()}, "slot_mapping is torch.float32"),
     ("slots-short", {"slot_mapping": torch.arange(2)}, r"expected int32/int64 \[>= 4\]"),
-    ("k-fp16", {"k": torch.randn(4, 2, 16).half()}, "must equal the cache dtypes"),
+    ("k-fp16", {"k": torch.randn(4, 2, 16).half()}, "k/v dtypes torch.float16/torch.float32 must be one of"),
+    (
+        "rows-fp16",
+        {"k": torch.randn(4, 2, 16).half(), "v": torch.randn(4, 2, 16).half()},
+        "but the rows are torch.float16",
+    ),
     ("cache-3d", {"k_cache": torch.zeros(3, 8, 32)}, "k_cache has shape"),
     ("v-heads", {"v": torch.randn(4, 1, 16)}, "must match k"),
 ]

@@ -10,7 +10,9 @@ one). The CI tier redraws from the same stream until a case is cheap under the i
 logical rows (dead blocks -> the null block 0), int32 or int64 metadata; histories are written in chunks longer
 than the ring through ``ring_write`` with ``RingPlan`` slot mappings, or by ``ring_prefill_attention`` itself.
 Before every attention launch each slot no query of it may read is NaN; after every launch the whole pool (guard
-padding included) must be byte for byte what the model says: a write touches exactly its live slots.
+padding included) must be byte for byte what the model says: a write touches exactly its live slots. fp8 rings
+(e4m3fn / e5m2 under bf16 / fp16 compute, random per-case scales) hold ``quantize_fp8`` bytes of the history, and the
+oracle reads the dequantized history: quantization belongs to the input, not to the kernel.
 """
 
 from __future__ import annotations
@@ -20,21 +22,26 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import triton
 from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, ring_prefill_attention, ring_write
 from ringkv.kernels.attention_inputs import KV_STRIDE_ELEMENTS
 from ringkv.kernels.configs import MAX_SPLITS
+from ringkv.kernels.kv_quant import dequantize, quantize_fp8
 from ringkv.kernels.ring_geometry import PAD_SLOT, UNBOUNDED_WINDOW
 from ringkv.kernels.tolerance import attention_error
 from ringkv.kernels.varlen import MAX_QUERY_LEN, MAX_SEQ_LEN
-from triton import cdiv
 
 from tests.testing import NAN, assert_attention_close, oracle_pair, stable_seed
 
 pytestmark = pytest.mark.interpreter
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# cases per (kernel, dtype): (CI, slow)
+# fp8 rings: (compute dtype, cache dtype)
+FP8 = {f"{kv}-{name}": (DTYPES[name], fp8) for kv, fp8 in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2))
+       for name in ("bf16", "fp16")}  # fmt: skip
+# cases per (kernel, dtype): (CI, slow); fp8 draws per (kernel, fp8 pair)
 CASES = {"write": (25, 250), "attention": (30, 300), "prefill": (20, 200)}
+FP8_CASES = {"write": (2, 20), "attention": (3, 30), "prefill": (2, 20)}
 HEAD_DIMS = (1, 3, 8, 15, 16, 24, 33, 59, 64, 80, 96, 100, 111, 128, 160, 200, 255, 256)
 BLOCK_SIZES = (1, 8, 16, 32)
 LAYOUTS = ("separate", "BHN", "BNH")
@@ -49,9 +56,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     kernel = metafunc.function.__name__.removeprefix("test_").removesuffix("_differential")
     offset = metafunc.config.getoption("seed_offset")
-    ci, slow = CASES[kernel]
     params = []
-    for name in DTYPES:
+    for name in (*DTYPES, *FP8):
+        ci, slow = (CASES if name in DTYPES else FP8_CASES)[kernel]
         for tier, count in (("ci", ci), ("slow", slow)):
             for index in range(count):
                 seed = (stable_seed(kernel, name, tier, index) + offset) % 2**32
@@ -69,6 +76,7 @@ class Draw:
     kernel: str
     dtype: torch.dtype
     seed: int
+    kv_dtype: torch.dtype | None  # the fp8 cache dtype, None: the cache holds ``dtype``
     num_kv_heads: int
     group: int
     head_dim: int
@@ -103,12 +111,12 @@ def draw_rows(rng: random.Random, kernel: str, slots: int) -> int:
     return rng.choice([0, 1, rng.randint(1, 24), rng.randint(1, 2 * slots + 3)])
 
 
-def draw(kernel: str, dtype: torch.dtype, seed: int, *, ci: bool) -> Draw:
+def draw(kernel: str, dtype: torch.dtype, seed: int, *, ci: bool, kv_dtype: torch.dtype | None = None) -> Draw:
     """The case of ``seed`` (everything random comes from here). The CI tier redraws (from the same stream) until
     the case is cheap under the interpreter: few history launches, little attention work."""
     rng = random.Random(seed)
     while True:
-        d = draw_once(rng, kernel, dtype, seed)
+        d = draw_once(rng, kernel, dtype, seed, kv_dtype)
         if not ci or within(interpreter_cost(d), CI_COST):
             return d
 
@@ -116,7 +124,7 @@ def draw(kernel: str, dtype: torch.dtype, seed: int, *, ci: bool) -> Draw:
 def interpreter_cost(d: Draw) -> tuple[int, int, int]:
     """(launches, query rows x query heads x (D + Dv), one request's rows x G): what the interpreter's time grows
     with (the last is a draft block's tile height)."""
-    history = max(cdiv(c - f, d.history_chunk) for f, c in zip(d.firsts, d.contexts, strict=True))
+    history = max(triton.cdiv(c - f, d.history_chunk) for f, c in zip(d.firsts, d.contexts, strict=True))
     rows = sum(sum(step) for step in d.launches)
     tile = max(max(step) for step in d.launches) * d.group
     return history + len(d.launches), rows * d.num_kv_heads * d.group * (d.head_dim + d.head_dim_v), tile
@@ -126,7 +134,7 @@ def within(cost: tuple[int, ...], limit: tuple[int, ...]) -> bool:
     return all(c <= m for c, m in zip(cost, limit, strict=True))
 
 
-def draw_once(rng: random.Random, kernel: str, dtype: torch.dtype, seed: int) -> Draw:
+def draw_once(rng: random.Random, kernel: str, dtype: torch.dtype, seed: int, kv_dtype: torch.dtype | None) -> Draw:
     """One draw from ``rng``."""
     block_size = rng.choice(BLOCK_SIZES)
     num_reqs = rng.randint(1, 4 if kernel == "write" else 3)
@@ -140,7 +148,7 @@ def draw_once(rng: random.Random, kernel: str, dtype: torch.dtype, seed: int) ->
         "beyond": 0,  # set once the positions are known
     }[kind]
     # the ring's slots for a window of this size (an estimate for "beyond": the sequences are short there)
-    slots = (cdiv(max(window, 64) + 16, block_size) + 1) * block_size
+    slots = (triton.cdiv(max(window, 64) + 16, block_size) + 1) * block_size
     launches = tuple(tuple(draw_rows(rng, kernel, slots) for _ in range(num_reqs)) for _ in range(num_steps))
     total = [sum(step[r] for step in launches) for r in range(num_reqs)]
     deep = kind != "beyond" and not full_rows and rng.random() < 0.15
@@ -166,7 +174,7 @@ def draw_once(rng: random.Random, kernel: str, dtype: torch.dtype, seed: int) ->
     most_rows = max(max(step) for step in launches)
     lookahead = (most_rows if kernel == "attention" else 1) + rng.choice([0, 0, 1, 3])
     return Draw(
-        kernel=kernel, dtype=dtype, seed=seed, num_kv_heads=rng.choice([1, 1, 2, 3]),
+        kernel=kernel, dtype=dtype, seed=seed, kv_dtype=kv_dtype, num_kv_heads=rng.choice([1, 1, 2, 3]),
         group=rng.choice([1, 2, 3, 4, 5, 8, 16, rng.randint(1, 16)]), head_dim=(d := rng.choice(HEAD_DIMS)),
         head_dim_v=d if rng.random() < 0.5 else rng.choice(HEAD_DIMS), block_size=block_size, window=window,
         causal=rng.random() < 0.5, lookahead=max(1, lookahead), firsts=tuple(firsts), contexts=tuple(contexts),
@@ -180,7 +188,7 @@ def draw_once(rng: random.Random, kernel: str, dtype: torch.dtype, seed: int) ->
 
 def padded(dim: int) -> int:
     """A head dim padded to the kernels' 16-element strides (the pad is a NaN guard band)."""
-    return cdiv(dim, KV_STRIDE_ELEMENTS) * KV_STRIDE_ELEMENTS
+    return triton.cdiv(dim, KV_STRIDE_ELEMENTS) * KV_STRIDE_ELEMENTS
 
 
 def kv_pool(
@@ -214,7 +222,7 @@ def view_of(storage: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
     """The raw bits (NaN compares equal to the same NaN)."""
-    return tensor.view({4: torch.int32, 2: torch.int16}[tensor.element_size()])
+    return tensor.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[tensor.element_size()])
 
 
 class RingWorld:
@@ -233,24 +241,30 @@ class RingWorld:
         # compact rows hold R columns; a full row over a window past every position is a plain row (never wraps)
         self.ring_blocks = min(self.plan.num_blocks, self.span_blocks()) if d.full_rows else self.plan.num_blocks
         num_blocks = 1 + num_reqs * self.ring_blocks + d.spare_blocks
+        self.cache_dtype = d.kv_dtype or d.dtype
         self.storage, self.k_cache, self.v_cache = kv_pool(d.layout, num_blocks, bs, d.num_kv_heads, d.head_dim,
-                                                           d.head_dim_v, d.dtype, device)  # fmt: skip
+                                                           d.head_dim_v, self.cache_dtype, device)  # fmt: skip
         # block 0 is the null block (NaN); rings are random distinct blocks, the spare ones stay NaN
         physical = torch.randperm(num_blocks - 1, generator=generator)[: num_reqs * self.ring_blocks] + 1
         self.rings = physical.view(num_reqs, self.ring_blocks).tolist()
         ends = [c + sum(step[r] for step in d.launches) for r, c in enumerate(d.contexts)]
-        self.width = max(cdiv(end, bs) for end in ends) + 2 if d.full_rows else self.ring_blocks
+        self.width = max(triton.cdiv(end, bs) for end in ends) + 2 if d.full_rows else self.ring_blocks
         self.k_hist, self.v_hist = [], []
         for first, end in zip(d.firsts, ends, strict=True):
             shape = (end - first, d.num_kv_heads)
             self.k_hist.append(torch.randn(*shape, d.head_dim, generator=generator).to(d.dtype))
             self.v_hist.append(torch.randn(*shape, d.head_dim_v, generator=generator).to(d.dtype))
         self.model: dict[int, tuple[int, int]] = {}
+        # an fp8 ring's per-layer scales: randn rows over most of the fp8 range (a few e4m3 ones saturate)
+        self.scales: dict[str, torch.Tensor] = {}
+        if d.kv_dtype is not None:
+            self.scales = {name: (torch.rand(1, generator=generator) * 0.05 + 0.005).to(device)
+                           for name in ("k_scale", "v_scale")}  # fmt: skip
 
     def span_blocks(self) -> int:
-        """Blocks that hold every position the case reaches (logical blocks 0 .. cdiv(end, bs))."""
+        """Blocks that hold every position the case reaches (logical blocks 0 .. triton.cdiv(end, bs))."""
         ends = [c + sum(step[r] for step in self.d.launches) for r, c in enumerate(self.d.contexts)]
-        return max(cdiv(end, self.d.block_size) for end in ends) + 1
+        return max(triton.cdiv(end, self.d.block_size) for end in ends) + 1
 
     def row(self, request: int, lowest: int) -> list[int]:
         """The block-table row of ``request`` for a launch whose lowest visible position is ``lowest``: compact R
@@ -290,13 +304,31 @@ class RingWorld:
 
     def expected_pool(self) -> list[torch.Tensor]:
         d = self.d
-        storage, k_cache, v_cache = kv_pool(d.layout, self.k_cache.shape[0], d.block_size, d.num_kv_heads,
-                                            d.head_dim, d.head_dim_v, d.dtype, torch.device("cpu"))  # fmt: skip
+        storage, k_cache, v_cache = kv_pool(d.layout, self.k_cache.shape[0], d.block_size, d.num_kv_heads, d.head_dim,
+                                            d.head_dim_v, self.cache_dtype, torch.device("cpu"))  # fmt: skip
         for slot, (request, p) in self.model.items():
-            k, v = self.rows(request, range(p, p + 1))
+            k, v = self.held(request, range(p, p + 1))
             k_cache[slot // d.block_size, slot % d.block_size] = k[0]
             v_cache[slot // d.block_size, slot % d.block_size] = v[0]
         return storage
+
+    def held(self, request: int, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows as the ring stores them: the history's, or its ``quantize_fp8`` bytes in an fp8 ring."""
+        k, v = self.rows(request, positions)
+        if not self.scales:
+            return k, v
+        scales = (self.scales["k_scale"].cpu(), self.scales["v_scale"].cpu())
+        return tuple(quantize_fp8(x, scale, self.cache_dtype) for x, scale in zip((k, v), scales, strict=True))
+
+    def oracle_history(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Each request's history as attention reads it from the ring (dequantized in fp64 for an fp8 ring)."""
+        histories = []
+        for r, first in enumerate(self.d.firsts):
+            k, v = self.held(r, range(first, first + len(self.k_hist[r])))
+            if self.scales:
+                k, v = dequantize(k, self.scales["k_scale"].cpu()), dequantize(v, self.scales["v_scale"].cpu())
+            histories.append((first, k, v))
+        return histories
 
     def check_pool(self, after: str) -> None:
         """The whole pool, padding included, byte for byte against the model."""
@@ -354,7 +386,7 @@ class RingWorld:
         k = torch.cat([k, torch.full((pad, *k.shape[1:]), NAN, dtype=d.dtype)])
         v = torch.cat([v, torch.full((pad, *v.shape[1:]), NAN, dtype=d.dtype)])
         slots = torch.cat([slots, torch.full((pad,), PAD_SLOT, device=self.device)]).to(d.slot_dtype)
-        ring_write(k.to(self.device), v.to(self.device), self.k_cache, self.v_cache, slots)
+        ring_write(k.to(self.device), v.to(self.device), self.k_cache, self.v_cache, slots, **self.scales)
         for r, span in enumerate(spans):
             self.record(r, rows[r], span, ends[r])
         self.check_pool(after)
@@ -402,7 +434,7 @@ def attend(world: RingWorld, lens: tuple[int, ...], contexts: list[int], *, pref
     out = torch.full((q.shape[0], q.shape[1], d.head_dim_v), NAN, dtype=d.dtype, device=world.device)
     args = {"q": q.to(world.device), "k_new": k_new.to(world.device), "v_new": v_new.to(world.device),
             "k_cache": world.k_cache, "v_cache": world.v_cache, "batch": batch, "window": d.window,
-            "causal": d.causal, "out": out}  # fmt: skip
+            "causal": d.causal, "out": out, **world.scales}  # fmt: skip
     launch = f"{'ring_prefill_attention' if prefill else 'ring_attention'} of {lens} at {contexts}"
     if prefill:
         slot_mapping = None
@@ -414,8 +446,8 @@ def attend(world: RingWorld, lens: tuple[int, ...], contexts: list[int], *, pref
     else:
         ring_attention(**args, num_splits=d.num_splits)
     num_tokens = sum(lens)
-    histories = [(first, k, v) for first, k, v in zip(d.firsts, world.k_hist, world.v_hist, strict=True)]
-    ref_hi, ref_lo = oracle_pair(q, k_new, v_new, histories, starts, seq_lens, window=d.window, causal=d.causal)
+    ref_hi, ref_lo = oracle_pair(q, k_new, v_new, world.oracle_history(), starts, seq_lens, window=d.window,
+                                 causal=d.causal)  # fmt: skip
     got = out.cpu()
     try:
         assert_attention_close(got[:num_tokens], ref_hi[:num_tokens], ref_lo[:num_tokens], name=launch)
@@ -434,11 +466,18 @@ def attend(world: RingWorld, lens: tuple[int, ...], contexts: list[int], *, pref
 
 @pytest.fixture
 def dtype(dtype_name: str) -> torch.dtype:
-    return DTYPES[dtype_name]
+    """The compute dtype (of an fp8 pair too)."""
+    return DTYPES[dtype_name] if dtype_name in DTYPES else FP8[dtype_name][0]
 
 
-def test_write_differential(dtype, seed, ci, device):
-    d = draw("write", dtype, seed, ci=ci)
+@pytest.fixture
+def kv_dtype(dtype_name: str) -> torch.dtype | None:
+    """The fp8 cache dtype of an fp8 pair, else None (the cache holds the compute dtype)."""
+    return FP8[dtype_name][1] if dtype_name in FP8 else None
+
+
+def test_write_differential(dtype, kv_dtype, seed, ci, device):
+    d = draw("write", dtype, seed, ci=ci, kv_dtype=kv_dtype)
     world = RingWorld(d, device)
     cursors = list(d.contexts)
     for lens in d.launches:
@@ -447,15 +486,15 @@ def test_write_differential(dtype, seed, ci, device):
         cursors = [s.stop for s in spans]
 
 
-def test_attention_differential(dtype, seed, ci, device):
-    d = draw("attention", dtype, seed, ci=ci)
+def test_attention_differential(dtype, kv_dtype, seed, ci, device):
+    d = draw("attention", dtype, seed, ci=ci, kv_dtype=kv_dtype)
     world = RingWorld(d, device)
     world.write_history()
     attend(world, d.launches[0], list(d.contexts), prefill=False, write=False)
 
 
-def test_prefill_differential(dtype, seed, ci, device):
-    d = draw("prefill", dtype, seed, ci=ci)
+def test_prefill_differential(dtype, kv_dtype, seed, ci, device):
+    d = draw("prefill", dtype, seed, ci=ci, kv_dtype=kv_dtype)
     world = RingWorld(d, device)
     world.write_history()
     contexts = list(d.contexts)
