@@ -31,7 +31,7 @@ import torch
 import triton
 from ringkv.kernels.backend_step import attend, split_kv_cache, store_rows, vllm_batch
 from ringkv.kernels.oracle import oracle_pair
-from ringkv.kernels.ring_geometry import PAD_SLOT
+from ringkv.kernels.ring_geometry import PAD_SLOT, UNBOUNDED_WINDOW, table_slot_mapping
 from ringkv.kernels.shapes import DrafterShape
 from ringkv.kernels.tolerance import attention_error
 
@@ -108,9 +108,10 @@ def gathered_row(request: Request, shape: DrafterShape, width: int, context_len:
 
 
 def prepared_slots(row: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The prepare kernel's slots ``row[p // bs] * bs + p % bs``, PAD for a null block (id 0)."""
-    ids = row[positions // block_size].to(torch.int64)
-    return torch.where(ids == 0, PAD_SLOT, ids * block_size + positions % block_size)
+    """The prepare kernel's slots over a full logical row (``table_slot_mapping``, period = the row's width), PAD
+    for a null block (id 0)."""
+    slots = table_slot_mapping(positions, row, block_size=block_size, window=UNBOUNDED_WINDOW, period=row.shape[-1])
+    return torch.where((slots >= 0) & (slots < block_size), PAD_SLOT, slots)
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The drafter's K/V storage: a ring of R blocks per request for each sliding layer (``ring``), or every
 position kept (``full``, the reference a ring must match). Full-attention layers always keep every position:
-they are not ring-backed."""
+they are not ring-backed. A ring may store fp8 (vLLM ``kv_cache_dtype`` names, per-layer scalar ``k_scale`` /
+``v_scale``, ``kernels/kv_quant.py``): rows stored as ``fp8(x / scale)``, read as ``fp8 * scale``."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ringkv.kernels import (
     ring_write,
     ring_write_reference,
 )
+from ringkv.kernels.kv_quant import fp8_dtype_of
 from ringkv.kernels.oracle import dense_history_attention
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, RingPlan
 
@@ -31,6 +33,8 @@ class DraftKVCache:
         attention: ``"triton"`` (``ring_write`` / ``ring_attention``; GPU, or CPU under TRITON_INTERPRET=1)
             or ``"reference"`` (the PyTorch reference on the same ring).
         max_positions: capacity of full caches (full mode, full-attention layers).
+        kv_cache_dtype: ``"auto"`` (rings in ``dtype``) or an fp8 name (rings in fp8; full caches stay in
+            ``dtype``); ``k_scale`` / ``v_scale`` default to 1.0, vLLM's value when a checkpoint sets none.
     """
 
     def __init__(
@@ -44,10 +48,21 @@ class DraftKVCache:
         max_positions: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kv_cache_dtype: str = "auto",
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
+        fp8 = fp8_dtype_of(kv_cache_dtype)
+        if fp8 is not None and mode != "ring":
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} quantizes rings: use mode='ring' (the full-history "
+                             "reference keeps exact K/V)")  # fmt: skip
         self.config, self.mode, self.attention = config, mode, attention
         self.num_requests, self.device, self.dtype = num_requests, torch.device(device), dtype
         self.scale = config.head_dim**-0.5
+        self.kv_cache_dtype = kv_cache_dtype
+        self.scales = {} if fp8 is None else {
+            name: torch.full((1,), value, dtype=torch.float32, device=self.device)
+            for name, value in (("k_scale", k_scale), ("v_scale", v_scale))}  # fmt: skip
         shape = (config.num_kv_heads, config.head_dim)
         self.plans: list[RingPlan | None] = []
         self.rings: list[torch.Tensor | None] = []
@@ -66,9 +81,10 @@ class DraftKVCache:
                 self.rings.append(None)
                 pool = (num_requests, max_positions, *shape)
             self.plans.append(plan)
-            # never-written slots are NaN: a read of one poisons the output
-            self.storage.append((torch.full(pool, float("nan"), dtype=dtype, device=self.device),
-                                 torch.full(pool, float("nan"), dtype=dtype, device=self.device)))  # fmt: skip
+            # never-written slots are NaN (fp8: its NaN byte): a read of one poisons the output
+            stored = fp8 if plan is not None and fp8 is not None else dtype
+            self.storage.append(tuple(torch.full(pool, float("nan"), dtype=dtype, device=self.device).to(stored)
+                                      for _ in range(2)))  # fmt: skip
 
     def nbytes(self) -> int:
         """Bytes of K/V storage."""
@@ -87,7 +103,7 @@ class DraftKVCache:
         # only live rows travel to the kernel (a chunk longer than the ring is mostly dead)
         rows = (k.to(self.dtype)[keep].contiguous(), v.to(self.dtype)[keep].contiguous())
         write = ring_write if self.attention == "triton" else ring_write_reference
-        write(*rows, k_store, v_store, slots[keep])
+        write(*rows, k_store, v_store, slots[keep], **self.scales)
 
     def attend(
         self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, blocks: DraftBlocks
@@ -115,7 +131,7 @@ class DraftKVCache:
         batch = VarlenBatch(starts, seq_lens, rows, max_query_len=block, max_seq_len=max(context_lens) + block,
                             table_period=plan.num_blocks, mode=BatchMode.DRAFT_BLOCK)  # fmt: skip
         args = (q.to(self.dtype), k_new.to(self.dtype), v_new.to(self.dtype), k_store, v_store, batch)
-        options = {"window": window, "causal": spec.causal, "scale": self.scale}
+        options = {"window": window, "causal": spec.causal, "scale": self.scale, **self.scales}
         if self.attention == "triton":
             return ring_attention(*args, **options).to(q.dtype)
         return ring_attention_reference(*args, **options).to(q.dtype)

@@ -6,8 +6,9 @@ synthesized, seeded: the point is the drafter's KV path, not a target forward), 
 with random acceptance lengths. Every step's draft logits from the ring are checked against a full-history
 cache (every position kept, window mask by absolute position) under the tolerance rule: the full-history
 drafter in fp64 is ``ref_hi``, in fp32 ``ref_lo``. With an fp8 ``kv_cache_dtype`` the ring stores fp8 rows
-(``Fp8DraftKVCache``, scales 1.0 as vLLM's default) while both references keep exact K/V: the error is then the
-quantization's, and the tolerance bound (a kernel bound) is reported beside it: ``error.ok`` is then no gate.
+(``DraftKVCache(kv_cache_dtype=...)``, scales 1.0 as vLLM's default) while both references keep exact K/V: the
+error is then the quantization's, and the tolerance bound (a kernel bound) is reported beside it: ``error.ok`` is
+then no gate.
 
 Run: ``.venv/bin/ringkv smoke --context 262144 --kv-cache-dtype fp8_e4m3``.
 """
@@ -22,10 +23,8 @@ from dataclasses import dataclass
 
 import torch
 from ringkv.dflash2.model import DFlash2Drafter
-from ringkv.kernels.kv_quant import fp8_dtype_of
 from ringkv.kernels.tolerance import ErrorReport, attention_error
 
-from .fp8_ring_cache import Fp8DraftKVCache
 from .ring_cache import DraftKVCache
 from .tiny import random_drafter, tiny_config
 
@@ -67,10 +66,7 @@ def run_smoke(
     embed64, head64 = copy.deepcopy(embed).double(), copy.deepcopy(head).double()
     capacity = context + steps * block_size + block_size
     options = {"attention": attention, "kv_block_size": 16, "device": device}
-    if fp8_dtype_of(kv_cache_dtype) is None:
-        ring = DraftKVCache(config, 1, **options)  # type: ignore[arg-type]
-    else:
-        ring = Fp8DraftKVCache(config, 1, kv_cache_dtype=kv_cache_dtype, **options)
+    ring = DraftKVCache(config, 1, kv_cache_dtype=kv_cache_dtype, **options)  # type: ignore[arg-type]
     full32 = DraftKVCache(config, 1, mode="full", max_positions=capacity, device=device)
     full64 = DraftKVCache(config, 1, mode="full", max_positions=capacity, dtype=torch.float64, device=device)
     features_rng = torch.Generator().manual_seed(seed)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ringkv.dflash2.harness.fp8_ring_cache import Fp8DraftKVCache
 from ringkv.dflash2.harness.ring_cache import DraftKVCache
 from ringkv.dflash2.harness.smoke import run_smoke
 from ringkv.dflash2.harness.spec_decode import TargetModel, greedy_reference, speculative_generate
@@ -53,7 +52,7 @@ def drafts_from(cache_kind: str, steps: int = 6):
         cache = DraftKVCache(config, 1, kv_block_size=4)
     elif cache_kind.startswith("fp8"):
         attention = "reference" if cache_kind.endswith("reference") else "triton"
-        cache = Fp8DraftKVCache(config, 1, kv_cache_dtype="fp8_e4m3", kv_block_size=4, attention=attention)
+        cache = DraftKVCache(config, 1, kv_cache_dtype="fp8_e4m3", kv_block_size=4, attention=attention)
     else:
         cache = DraftKVCache(config, 1, mode="full", max_positions=200)
     logits, context_len = [], 0
