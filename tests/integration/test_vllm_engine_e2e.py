@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -38,12 +39,13 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return [[generator.randrange(3, SLIDING.vocab_size - 1) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
-def engine_runs(models, backends) -> dict:
+def engine_runs(models, backends, drafter_kv_cache_dtype: str | None = None) -> dict:
     layers = drafter_layer_names(models.spec.target_layers, models.spec.drafter_layers)
     runs = {}
     for backend in backends:
         spec = EngineRunSpec(target=str(models.target), drafter=str(models.drafter), drafter_backend=backend,
-                             prompts=prompts(), max_tokens=48, block_size=BLOCK)  # fmt: skip
+                             prompts=prompts(), max_tokens=48, block_size=BLOCK,
+                             drafter_kv_cache_dtype=drafter_kv_cache_dtype)  # fmt: skip
         runs[backend] = run_engine(spec, drafter_layers=layers)
     return runs
 
@@ -108,6 +110,29 @@ def test_drafter_attention_outputs_match_stock_at_every_forward(sliding):
     worst, compared = max_output_difference(runs["ring"], runs["stock"])
     assert compared == sum(runs["ring"].forward_calls.values())
     assert worst <= FP32_ABS_BOUND, f"max |ring - stock| = {worst:.3e} over {compared} drafter forwards"
+
+
+def test_an_fp8_drafter_ring_serves_in_the_engine(sliding):
+    """The drafter's KV in fp8 e4m3 (``speculative_config.kv_cache_dtype``): ringkv serves every drafter layer,
+    the group holds R blocks of vLLM's block size for that group, greedy tokens stay the target's, and the first
+    drafter forward of each layer (same inputs as the unquantized run) is finite and differs from it: not at all
+    would mean nothing was quantized (the dequantization itself is checked against the oracle in test_fp8.py and
+    test_vllm_backend.py)."""
+    models, runs = sliding
+    fp8 = engine_runs(models, ("ring",), drafter_kv_cache_dtype="fp8_e4m3")["ring"]
+    assert fp8.tokens == runs[None].tokens
+    assert fp8.forward_calls.keys() == runs["ring"].forward_calls.keys() and fp8.forward_calls == fp8.kv_update_calls
+    # vLLM unifies page sizes across groups: 1-byte drafter rows beside the fp32 target take 4x larger blocks
+    record = fp8.scheduler
+    ring_blocks = ring_blocks_needed(SLIDING.drafter_window, record["drafter_block_size"],
+                                     lookahead=SLIDING.num_speculative_tokens + 1)  # fmt: skip
+    assert record["ring_blocks"] == ring_blocks
+    assert max(held for step in held_blocks(fp8) for _, held in step.values()) == ring_blocks
+    assert 0.2 < fp8.acceptance < 0.9, fp8.spec_decode
+    exact, quantized = runs["ring"].outputs(), fp8.outputs()
+    for key, calls in exact.items():
+        assert torch.isfinite(quantized[key][0]).all(), key
+        assert not torch.equal(quantized[key][0], calls[0]), f"{key}: the fp8 ring gave the unquantized output"
 
 
 def test_full_attention_drafter_layers_on_ringkv_match_stock(full):
