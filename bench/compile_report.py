@@ -3,8 +3,8 @@
 a launch on that GPU would compile it, with registers, spill bytes, shared memory, CTAs per SM and the SASS
 width of every K/V tile load.
 
-How: each launcher (``ring_attention``, ``ring_prefill_attention``, ``ring_write``) runs on CPU stand-in tensors
-that have a real launch's shapes, strides and 16-byte-aligned buffers; the kernel's ``run`` is intercepted and
+How: each launch (``ring_attention`` on draft blocks and on prefill chunks, ``ring_write``) runs on CPU stand-in
+tensors that have a real launch's shapes, strides and 16-byte-aligned buffers; the kernel's ``run`` is intercepted and
 its arguments are bound by Triton's own binder for the target (``create_function_from_signature`` over
 ``native_specialize_impl``: ``tt.divisibility=16`` on pointers and ints divisible by 16, 1-valued ints as
 constants, ``do_not_specialize`` honoured), then ``triton.compile`` builds the cubin. A bare ``ASTSource``
@@ -251,7 +251,6 @@ def ringkv_kernels() -> list[Any]:
     return [
         importlib.import_module("ringkv.kernels.ring_attention")._ring_attention_kernel,
         importlib.import_module("ringkv.kernels.ring_attention")._combine_splits_kernel,
-        importlib.import_module("ringkv.kernels.ring_prefill")._ring_prefill_kernel,
         importlib.import_module("ringkv.kernels.ring_write")._ring_write_kernel,
     ]
 
@@ -302,9 +301,9 @@ def launch_decode(
 
 
 def launch_prefill(chunk: int, group: int, head_dim: int, kv_cache_dtype: str | None = None) -> None:
-    """``ring_prefill_attention`` of one causal chunk after 8192 positions of history (the kernel only)."""
+    """``ring_attention`` of one causal prefill chunk after 8192 positions of history (the kernel only)."""
     import torch
-    from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_prefill_attention
+    from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention
 
     ring = RingPlan(WINDOW, BLOCK_SIZE, 1).num_blocks
     q = torch.empty(chunk, NUM_KV_HEADS * group, head_dim, dtype=torch.bfloat16)
@@ -315,7 +314,7 @@ def launch_prefill(chunk: int, group: int, head_dim: int, kv_cache_dtype: str | 
         max_query_len=chunk, max_seq_len=8192 + chunk, table_period=ring, mode=BatchMode.PREFILL_CHUNK,
     )  # fmt: skip
     caches = _caches(ring + 1, head_dim, torch.bfloat16, kv_cache_dtype)
-    ring_prefill_attention(q, k_new, v_new, batch=batch, window=WINDOW, causal=True, write_ring=False, **caches)
+    ring_attention(q, k_new, v_new, batch=batch, window=WINDOW, causal=True, **caches)
 
 
 def launch_write(head_dim: int, kv_cache_dtype: str | None = None) -> None:

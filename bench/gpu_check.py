@@ -202,22 +202,25 @@ def time_fn(fn, smoke: bool, cuda_graph: bool = False) -> tuple[float, float, fl
 
 def gate(out, dense, context_len: int, window: int) -> dict:
     """The tolerance rule for ``out`` ([N*B, Hq, D]) against the dense oracle on the same K/V (``build_batch``'s
-    ``[N, H, L, D]`` tensors, non-causal, at positions ``context_len - ctx_len .. context_len + B - 1``): fp64, and the
-    batch's own dtype."""
+    ``[N, H, L, D]`` tensors, non-causal, at positions ``context_len - ctx_len .. context_len + B - 1``): the
+    tests' ``oracle_pair`` (fp64, and the batch's own dtype)."""
     import torch
-    from ringkv.kernels.oracle import attention_by_position
+    from ringkv.kernels.oracle import oracle_pair
     from ringkv.kernels.tolerance import attention_error
 
     q, k, v = dense
     num_reqs, block = q.shape[0], q.shape[2]
-    q_pos = context_len + torch.arange(block, device=q.device)
-    k_pos = torch.arange(context_len + block - k.shape[2], context_len + block, device=q.device)
-    ref_hi, ref_lo = (
-        torch.cat([attention_by_position(q[r].transpose(0, 1), q_pos, k[r].transpose(0, 1), v[r].transpose(0, 1),
-                                         k_pos, window=window, causal=False, compute_dtype=dtype)
-                   for r in range(num_reqs)])
-        for dtype in (torch.float64, q.dtype)
-    )  # fmt: skip
+
+    def block_rows(x: torch.Tensor) -> torch.Tensor:
+        # [N, H, L, D] -> the block's own rows [N * B, H, D]
+        return x[:, :, -block:].transpose(1, 2).flatten(0, 1)
+
+    first = context_len + block - k.shape[2]
+    histories = [(first, k[r, :, :-block].transpose(0, 1), v[r, :, :-block].transpose(0, 1)) for r in range(num_reqs)]
+    starts = torch.arange(0, num_reqs * block + 1, block)
+    seq_lens = torch.full((num_reqs,), context_len + block)
+    ref_hi, ref_lo = oracle_pair(block_rows(q), block_rows(k), block_rows(v), histories, starts, seq_lens,
+                                 window=window, causal=False)  # fmt: skip
     report = attention_error(out, ref_hi, ref_lo)
     return {"max_error": report.max_error, "bound": report.bound, "ok": report.ok}
 
@@ -353,13 +356,13 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, un
 
 
 def prefill_rows(device, smoke: bool, budget_s: float) -> list[dict]:
-    """``ring_prefill_attention`` on the DFlash2 shape, causal W 2048: one chunk of C tokens after 8192 tokens of
-    history in the ring, beside FlexAttention on the linearized [history, chunk]. TFLOP/s counts the keys each
-    row really sees (``2 * Hq * sum(visible keys) * (D + Dv)``). Gate: the dense oracle (fp64 and bf16) over slices
-    of 512 queries."""
+    """``ring_attention`` on prefill chunks of the DFlash2 shape, causal W 2048: one chunk of C tokens after 8192
+    tokens of history in the ring, beside FlexAttention on the linearized [history, chunk]. TFLOP/s counts the keys each
+    row really sees (``2 * Hq * sum(visible keys) * (D + Dv)``). Gate: the dense oracle pair (fp64 and bf16) over
+    slices of 512 queries."""
     import torch
-    from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_prefill_attention, ring_write
-    from ringkv.kernels.oracle import attention_by_position
+    from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, ring_write
+    from ringkv.kernels.oracle import oracle_pair
     from ringkv.kernels.ring_geometry import visible
     from ringkv.kernels.tolerance import attention_error
 
@@ -393,19 +396,21 @@ def prefill_rows(device, smoke: bool, budget_s: float) -> list[dict]:
         out = torch.empty_like(q)
 
         def ringkv_call(args=args, out=out):
-            return ring_prefill_attention(**args, out=out, write_ring=False)
+            return ring_attention(**args, out=out)
 
         ringkv_call()
         q_pos = context_len + torch.arange(chunk, device=device)
         k_pos = torch.cat([history, q_pos])
         # [L, Hkv, D]: the history, then the chunk
         k_all, v_all = torch.cat([k_hist, k_new]), torch.cat([v_hist, v_new])
-        # the dense oracle, fp64 and same-dtype, over slices of 512 queries
-        ref_hi, ref_lo = (
-            torch.cat([attention_by_position(q[lo : lo + 512], q_pos[lo : lo + 512], k_all, v_all, k_pos,
-                                             window=window, causal=True, compute_dtype=ref_dtype)
-                       for lo in range(0, chunk, 512)])
-            for ref_dtype in (torch.float64, dtype)
+        # the dense oracle pair over slices of 512 queries, each a request whose history is the ring's plus the
+        # chunk before it (the fp64 scores of a whole 8192-query chunk would take 21 GB)
+        slices = range(0, chunk, 512)
+        ref_hi, ref_lo = oracle_pair(
+            q, k_new, v_new, [(context_len - len(history), k_all[: len(history) + lo], v_all[: len(history) + lo])
+                              for lo in slices],
+            torch.tensor([*slices, chunk]), torch.tensor([context_len + min(lo + 512, chunk) for lo in slices]),
+            window=window, causal=True,
         )  # fmt: skip
         report = attention_error(out, ref_hi, ref_lo)
         keys, values = k_all.transpose(0, 1)[None], v_all.transpose(0, 1)[None]

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""ringkv kernels: ring geometry, the Triton ring write and draft-block ring attention, and their references."""
+"""ringkv kernels: ring geometry, the Triton ring write and ring attention (draft blocks and prefill chunks), and their
+references."""
 
 from .reference import ring_attention_reference, ring_write_reference
 from .ring_attention import ring_attention
 from .ring_geometry import PAD_SLOT, RingPlan, ring_blocks_needed
-from .ring_prefill import ring_prefill_attention
 from .ring_write import ring_write
 from .varlen import BatchMode, VarlenBatch
 
@@ -16,7 +16,6 @@ __all__ = [
     "ring_attention",
     "ring_attention_reference",
     "ring_blocks_needed",
-    "ring_prefill_attention",
     "ring_write",
     "ring_write_reference",
 ]

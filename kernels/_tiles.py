@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Triton building blocks shared by ``ring_attention`` and ``ring_prefill_attention``: locating a tile of
-ring keys (the in-kernel form of ``ring_geometry``'s slot formula, here and nowhere else), loading it or a
-tile of the batch's own rows, scoring it, masking it by absolute position, and the online-softmax update.
+"""Triton building blocks of ``ring_attention``'s kernel: locating a tile of ring keys (the in-kernel form of
+``ring_geometry``'s slot formula, here and nowhere else), loading it or a tile of the batch's own rows, scoring
+it, masking it by absolute position, and the online-softmax update.
 
 Window convention (``window = W``): a query at absolute position ``q`` sees key ``k`` iff ``q - k < W`` and
 ``k >= 0``; causal adds ``k <= q``, non-causal adds ``k - q < W`` (``ring_geometry.visible``).

@@ -13,8 +13,8 @@ import triton
 
 from .kv_quant import FP8_DTYPES, check_scale
 from .ring_geometry import UNBOUNDED_WINDOW, ring_blocks_needed
+from .varlen import INDEX_DTYPES, BatchMode, VarlenBatch
 from .varlen import MAX_QUERY_LEN as MAX_QUERY_LEN  # the draft-block limit, imported from here by integration
-from .varlen import BatchMode, VarlenBatch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -126,6 +126,15 @@ def check_ring_cache(
                      check_scale("v_scale", v_scale, v_cache.device))  # fmt: skip
 
 
+def check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int) -> None:
+    """A flat slot per row (``block_id * bs + offset``, < 0 = PAD): int32/int64 ``[>= num_tokens]``."""
+    expected = f"expected int32/int64 [>= {num_tokens}]"
+    if not isinstance(slot_mapping, torch.Tensor):
+        raise ValueError(f"slot_mapping is {type(slot_mapping).__name__}; {expected}")
+    if slot_mapping.dtype not in INDEX_DTYPES or slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_tokens:
+        raise ValueError(f"slot_mapping is {slot_mapping.dtype} {tuple(slot_mapping.shape)}; {expected}")
+
+
 def check_kv_alignment(name: str, cache: torch.Tensor) -> None:
     """The fast kernels load K/V rows 16 bytes at a time; Triton proves that only for a cache whose base is
     16-byte aligned and whose block / slot / head strides are multiples of 16 elements (what a launch
@@ -154,20 +163,14 @@ def validate_attention_inputs(
     cache: RingCache,
     batch: VarlenBatch,
     *,
-    mode: BatchMode,
     window: int,
     scale: float | None,
     out: torch.Tensor | None,
 ) -> AttentionInputs:
-    """Check a launcher's tensors against each other and against ``batch`` (validated when it was built);
-    ``mode`` is the batch mode the launcher takes. Allocates ``out``."""
+    """Check ``ring_attention``'s tensors against each other and against ``batch`` (validated when it was built).
+    Allocates ``out``."""
     if not isinstance(batch, VarlenBatch):
         raise ValueError(f"batch is {type(batch).__name__}; build one with VarlenBatch.build(...)")
-    if batch.mode is not mode:
-        raise ValueError(
-            f"batch.mode is {batch.mode}; this launcher takes {mode} (draft blocks: ring_attention, prefill chunks: "
-            "ring_prefill_attention)"
-        )
     _check_rank("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
     _check_rank("k_new", k_new, 3, "[num_tokens, num_kv_heads, head_dim]")
     _check_rank("v_new", v_new, 3, "[num_tokens, num_kv_heads, head_dim_v]")
@@ -214,7 +217,7 @@ def validate_attention_inputs(
             )
     else:
         # a draft block's own K/V sit in the ring's slack; a prefill writes after reading (needs the window only)
-        lookahead = batch.max_query_len if mode is BatchMode.DRAFT_BLOCK else 1
+        lookahead = batch.max_query_len if batch.mode is BatchMode.DRAFT_BLOCK else 1
         needed = ring_blocks_needed(window, block_size, lookahead)
         if batch.table_period < needed:
             raise ValueError(

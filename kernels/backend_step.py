@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ring backend's kernel calls on vLLM's per-layer cache, vLLM-free: ``RingKVImpl`` runs these, and
-``bench/v2_replay.py`` drives them on a GPU machine without vLLM exactly as the impl does.
+"""The ring backend's steps on vLLM's per-layer cache, vLLM-free: ``RingKVImpl`` runs these (and
+``ring_attention``), and ``bench/v2_replay.py`` drives them on a GPU machine without vLLM exactly as the impl does.
 
 vLLM's per-layer cache is ``[num_blocks, Hkv, bs, D + Dv]``: K in the first ``D`` channels, V after them.
 """
@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .ring_attention import ring_attention
 from .ring_geometry import last_writer_slots
-from .ring_prefill import ring_prefill_attention
 from .ring_write import ring_write
 from .varlen import MAX_QUERY_LEN, BatchMode, VarlenBatch
 
@@ -45,32 +43,6 @@ def store_rows(
     last writers are computed from this call's slots every time: vLLM fills its slot buffers in place. An fp8 cache
     stores ``x / scale`` (``scales``: ``k_scale`` / ``v_scale``)."""
     ring_write(key, value, k_cache, v_cache, last_writer_slots(slot_mapping[: key.shape[0]]), **scales)
-
-
-def attend(
-    q: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    batch: VarlenBatch,
-    *,
-    window: int,
-    causal: bool,
-    scale: float,
-    out: torch.Tensor,
-    **scales: torch.Tensor,
-) -> None:
-    """``forward``'s attention, ring read only: ``q [n, Hq, D]``, ``key [n, Hkv, D]``, ``value [n, Hkv, Dv]``
-    over the ``split_kv_cache`` views, ``out [n, Hq, Dv]``; a ``BatchMode.DRAFT_BLOCK`` batch goes to
-    ``ring_attention``, a chunk to ``ring_prefill_attention`` (which then leaves the ring to the caller). An fp8
-    cache is dequantized on load (``scales``: ``k_scale`` / ``v_scale``)."""
-    args = (q, key, value, k_cache, v_cache, batch)
-    options = {"window": window, "causal": causal, "scale": scale, "out": out, **scales}
-    if batch.mode is BatchMode.DRAFT_BLOCK:
-        ring_attention(*args, **options)
-    else:
-        ring_prefill_attention(*args, **options, write_ring=False)
 
 
 def vllm_batch(

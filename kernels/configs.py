@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import triton
 
-# Query rows of one ring_attention program: the G x B rows of one KV head, padded to the 64-row tile one
-# Hopper warp group's wgmma takes (a 32-row tile takes mma.sync with every warp holding all of Q and P).
+# Query rows of one ring_attention program on draft blocks: the G x B rows of one KV head, padded to the 64-row
+# tile one Hopper warp group's wgmma takes (a 32-row tile takes mma.sync with every warp holding all of Q and P).
 ATTENTION_BLOCK_M = 64
 # Split-KV aims for this many programs per SM before it stops splitting the window.
 PROGRAMS_PER_SM = 2
@@ -21,16 +21,17 @@ MIN_DOT_DIM = 16
 class AttentionConfig:
     """Launch shape of ``ring_attention``: every field is a kernel constexpr, so one config = one compiled kernel.
 
-    BLOCK_M: query rows (query-major, ``row = i * G + g``) per program; queries_per_block = ``BLOCK_M // G``;
-    TILE_N: keys per loop step (a whole KV block, or part of one, when it divides ``bs``);
-    BLOCK_D / BLOCK_DV: padded head dims.
+    BLOCK_Q queries x G heads per program (``BLOCK_M`` rows, query-major ``row = i * G + g``, padded to the MMA
+    tile); TILE_N ring keys per loop step (a whole KV block, or part of one, when it divides ``bs``); TILE_C of the
+    batch's own keys per step; BLOCK_D / BLOCK_DV: padded head dims.
     """
 
+    BLOCK_Q: int
     BLOCK_M: int
     TILE_N: int
+    TILE_C: int
     BLOCK_D: int
     BLOCK_DV: int
-    queries_per_block: int
     num_warps: int
     num_stages: int
 
@@ -47,16 +48,18 @@ def ring_tile_keys(block_size: int) -> int:
 def select_attention_config(
     *, group_size: int, head_dim: int, head_dim_v: int, block_size: int, kv_fp8: bool = False
 ) -> AttentionConfig:
-    """Pick tiles from the head shape, block size and ring dtype only: never the number of requests, the
-    draft-block length or a position, so one compiled kernel serves every batch (and a CUDA graph replays for
-    any position)."""
+    """Draft blocks (``BatchMode.DRAFT_BLOCK``): tiles from the head shape, block size and ring dtype only, never
+    the number of requests, the draft-block length or a position, so one compiled kernel serves every batch (and
+    a CUDA graph replays for any position)."""
     block_m = max(ATTENTION_BLOCK_M, triton.next_power_of_2(group_size))
+    tile_n = ring_tile_keys(block_size)
     return AttentionConfig(
+        BLOCK_Q=block_m // group_size,
         BLOCK_M=block_m,
-        TILE_N=ring_tile_keys(block_size),
+        TILE_N=tile_n,
+        TILE_C=tile_n,
         BLOCK_D=max(MIN_DOT_DIM, triton.next_power_of_2(head_dim)),
         BLOCK_DV=max(MIN_DOT_DIM, triton.next_power_of_2(head_dim_v)),
-        queries_per_block=block_m // group_size,
         num_warps=4,
         # three K/V tiles in flight per program: at the DFlash2 shape also the fewest registers (sm_90 128,
         # sm_100 128; two stages: 118 / 158), so 4 CTAs per SM on both (bench/README.md). An fp8 ring converts
@@ -101,21 +104,6 @@ def select_write_config(*, num_kv_heads: int, head_dim: int, interpreted: bool =
     return WriteConfig(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)
 
 
-@dataclass(frozen=True)
-class PrefillConfig:
-    """Launch shape of ``ring_prefill_attention``: ``BLOCK_Q`` queries x G heads (``BLOCK_M`` rows) per program;
-    ``TILE_N`` ring keys (``ring_tile_keys``) and ``TILE_C`` chunk keys per loop step."""
-
-    BLOCK_Q: int
-    BLOCK_M: int
-    TILE_N: int
-    TILE_C: int
-    BLOCK_D: int
-    BLOCK_DV: int
-    num_warps: int
-    num_stages: int
-
-
 # query rows per prefill program: a 64-row tile keeps register pressure moderate for head_dim 256
 PREFILL_BLOCK_M = 64
 # Triton's CPU interpreter costs per program, not per FLOP: long chunks take far taller tiles there
@@ -132,10 +120,10 @@ def select_prefill_config(
     block_size: int,
     max_query_len: int = 0,
     interpreted: bool = False,
-) -> PrefillConfig:
-    """All G heads of a query in one program; as many queries as fill ``PREFILL_BLOCK_M`` rows (under the
-    interpreter, ``INTERPRETED_PREFILL_BLOCK_M`` rows and ``INTERPRETED_PREFILL_TILE_C`` chunk keys per step for
-    chunks of ``INTERPRETED_LONG_CHUNK`` queries or more)."""
+) -> AttentionConfig:
+    """Prefill chunks (``BatchMode.PREFILL_CHUNK``): all G heads of a query in one program; as many queries as
+    fill ``PREFILL_BLOCK_M`` rows (under the interpreter, ``INTERPRETED_PREFILL_BLOCK_M`` rows and
+    ``INTERPRETED_PREFILL_TILE_C`` chunk keys per step for chunks of ``INTERPRETED_LONG_CHUNK`` queries or more)."""
     tall = interpreted and max_query_len >= INTERPRETED_LONG_CHUNK
     block_q = max(1, (INTERPRETED_PREFILL_BLOCK_M if tall else PREFILL_BLOCK_M) // group_size)
     block_d = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
@@ -143,7 +131,7 @@ def select_prefill_config(
     # head_dim 256: a 64 x 256 fp32 accumulator is 128 registers a thread at 4 warps (spills with 32-key tiles);
     # 8 warps split it over two warp groups (sm_90: 177 registers, no spills; bench/README.md)
     wide = max(block_d, block_dv) > 128
-    return PrefillConfig(
+    return AttentionConfig(
         BLOCK_Q=block_q,
         BLOCK_M=max(MIN_DOT_DIM, triton.next_power_of_2(block_q * group_size)),
         TILE_N=ring_tile_keys(block_size),

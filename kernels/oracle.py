@@ -2,10 +2,10 @@
 """The dense oracle of the ring kernels: attention over a request's history kept densely by absolute position,
 masked by ``ring_geometry.visible``, computed in fp64 by default.
 
-This module holds the masked-softmax formula once: the ring reference (``reference.py``) gathers its keys
-through the ring and calls ``attention_by_position``; the tests, the harness's full-history cache and
-``bench/gpu_check.py`` call ``dense_history_attention`` / ``attention_by_position`` on dense histories, and
-``oracle_pair`` gives the tolerance rule's (fp64, same-dtype) pair (tests, ``bench/v2_replay.py``).
+This module holds the masked-softmax formula once, in ``dense_history_attention``: the ring reference
+(``reference.py``) gathers each request's window through the ring and calls it; the harness's full-history cache
+calls it on dense histories, and ``oracle_pair`` gives the tolerance rule's (fp64, same-dtype) pair (tests,
+``bench/gpu_check.py``, ``bench/v2_replay.py``).
 Needs only torch (``gpu_check`` imports it on a GPU machine without vLLM).
 
 Semantics of an empty row (a query that sees no key; impossible for a drafter, defined anyway): output 0, as
@@ -38,42 +38,6 @@ def masked_softmax_attention(
     return torch.einsum("hbl,lhd->bhd", weights, v)
 
 
-def attention_by_position(
-    q: torch.Tensor,
-    q_pos: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_pos: torch.Tensor,
-    *,
-    window: int,
-    causal: bool,
-    scale: float | None = None,
-    compute_dtype: torch.dtype = torch.float64,
-) -> torch.Tensor:
-    """Queries at absolute positions over keys at absolute positions, masked by the contract
-    (``ring_geometry.visible``: ``q - k < W``, ``k >= 0``, causal ``k <= q`` else ``k - q < W``).
-
-    Only the keys some query sees are computed, so a long dense history costs its window, not its length.
-
-    Args:
-        q: [B, Hq, D]; q_pos: [B] int positions.
-        k: [L, Hkv, D]; v: [L, Hkv, Dv]; k_pos: [L] int positions (any order; K/V of positions a query must
-            not see may hold anything, NaN included).
-        window: W. causal: see above. scale: default ``D ** -0.5``.
-        compute_dtype: the dtype of the whole computation (fp64: the oracle; the kernel's dtype: ``ref_lo``).
-
-    Returns:
-        [B, Hq, Dv] in ``compute_dtype``.
-    """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    # [B, L]
-    mask = visible(q_pos.to(torch.int64)[:, None], k_pos.to(torch.int64)[None, :], window, causal)
-    keep = mask.any(0).nonzero()[:, 0]
-    return masked_softmax_attention(
-        q.to(compute_dtype), k[keep].to(compute_dtype), v[keep].to(compute_dtype), mask[:, keep], scale
-    )
-
-
 def dense_history_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -88,25 +52,32 @@ def dense_history_attention(
     compute_dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """The oracle of a varlen batch (``varlen``: request ``r``'s queries at ``context_len .. seq_len - 1``) whose
-    context is a dense history per request instead of a ring.
+    context is a dense history per request, masked by the contract (``ring_geometry.visible``: ``q - k < W``,
+    ``k >= 0``, causal ``k <= q`` else ``k - q < W``). Only the keys some query sees are computed, so a long
+    history costs its window, not its length; K/V of positions no query sees may hold anything, NaN included.
 
     Args:
         q: [T, Hq, D]; k_new: [T, Hkv, D]; v_new: [T, Hkv, Dv]: the batch's own rows.
         histories: per request ``(first, k_hist [n, Hkv, D], v_hist [n, Hkv, Dv])``, the K/V of positions
-            ``first .. first + n - 1``; rows at or past ``context_len`` are ignored (the batch's own rows are
-            those positions). ``first`` must not exceed the window start ``max(0, context_len - (W - 1))``.
+            ``first .. first + n - 1`` (any device, any float dtype); rows at or past ``context_len`` are ignored
+            (the batch's own rows are those positions). ``first`` must not exceed the window start
+            ``max(0, context_len - (W - 1))``; a request without queries needs no history.
         query_start_loc: [num_reqs + 1]; seq_lens: [num_reqs] (any int dtype, any device).
-        window, causal, scale, compute_dtype: as ``attention_by_position``.
+        window: W. causal: see above. scale: default ``D ** -0.5``.
+        compute_dtype: the dtype of the whole computation (fp64: the oracle; the kernel's dtype: ``ref_lo``).
 
     Returns:
         [T, Hq, Dv] in ``compute_dtype``; rows of no request (past ``query_start_loc[-1]``) are 0.
     """
     device = q.device
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = torch.zeros(q.shape[0], q.shape[1], v_new.shape[-1], dtype=compute_dtype, device=device)
     starts = query_start_loc.tolist()
     for request, (seq_len, (first, k_hist, v_hist)) in enumerate(zip(seq_lens.tolist(), histories, strict=True)):
         begin, end = starts[request], starts[request + 1]
         context_len = seq_len - (end - begin)
+        if begin == end:
+            continue  # no queries: nothing to attend, no history needed
         if first > first_visible_position(context_len, window) or first + k_hist.shape[0] < context_len:
             raise ValueError(
                 f"request {request}: its history holds positions {first}..{first + k_hist.shape[0] - 1}, but its "
@@ -114,15 +85,15 @@ def dense_history_attention(
             )
         q_pos = torch.arange(context_len, seq_len, device=device)
         history_pos = torch.arange(first, max(first, context_len), device=device)
-        # only the history rows some query sees travel on (a long history costs its window, not its length)
-        rows = visible(q_pos[:, None], history_pos[None, :], window, causal).any(0).nonzero()[:, 0]
-        out[begin:end] = attention_by_position(
-            q[begin:end], q_pos,
-            torch.cat([k_hist[rows.to(k_hist.device)].to(device), k_new[begin:end]]),
-            torch.cat([v_hist[rows.to(v_hist.device)].to(device), v_new[begin:end]]),
-            torch.cat([history_pos[rows], q_pos]),
-            window=window, causal=causal, scale=scale, compute_dtype=compute_dtype,
-        )  # fmt: skip
+        # [B, n + B]: which history rows, then which of the batch's own rows, each query sees
+        mask = visible(q_pos[:, None], torch.cat([history_pos, q_pos])[None, :], window, causal)
+        # only the rows some query sees travel on
+        rows = mask[:, : len(history_pos)].any(0).nonzero()[:, 0]
+        own = mask[:, len(history_pos) :].any(0).nonzero()[:, 0]
+        k = torch.cat([k_hist[rows.to(k_hist.device)].to(device, compute_dtype), k_new[begin + own].to(compute_dtype)])
+        v = torch.cat([v_hist[rows.to(v_hist.device)].to(device, compute_dtype), v_new[begin + own].to(compute_dtype)])
+        keep = torch.cat([rows, len(history_pos) + own])
+        out[begin:end] = masked_softmax_attention(q[begin:end].to(compute_dtype), k, v, mask[:, keep], scale)
     return out
 
 

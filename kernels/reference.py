@@ -1,10 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Executable spec of the ring kernels: windowed attention of a varlen batch over the ring, and the ring write.
 
-Same arguments as the Triton launchers (``ring_attention`` / ``ring_prefill_attention``, ``ring_write``);
-loops over requests, resolves every key through ``ring_geometry``, then attends with the dense oracle's
-masked softmax (``oracle.attention_by_position``, the formula's one home) in fp32 (or fp64). CPU-friendly,
-not fast.
+Same arguments as the Triton launchers (``ring_attention``, ``ring_write``); gathers each request's window
+through ``ring_geometry``'s slot formula, then attends with the dense oracle (``oracle.dense_history_attention``,
+the masked softmax's one home) in fp32 (or fp64). CPU-friendly, not fast.
 """
 
 from __future__ import annotations
@@ -12,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from .kv_quant import FP8_DTYPES, dequantize, quantize_fp8
-from .oracle import attention_by_position
-from .ring_geometry import first_visible_position, table_slot_mapping
+from .oracle import dense_history_attention
+from .ring_geometry import batch_live_slots, first_visible_position, table_slot_mapping
 from .varlen import VarlenBatch
 
 
@@ -36,10 +35,13 @@ def ring_attention_reference(
     scale: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    write_ring: bool = False,
+    slot_mapping: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float32,
     **_launch_options: object,
 ) -> torch.Tensor:
-    """Attention of a varlen batch (draft blocks or prefill chunks) over ring context plus its own K/V.
+    """Attention of a varlen batch (draft blocks or prefill chunks) over ring context plus its own K/V; with
+    ``write_ring``, then its live rows stored in the ring (``ring_geometry.batch_live_slots``).
 
     Request ``r``'s ``query_len`` queries sit at absolute positions ``context_len .. seq_len - 1``
     (``varlen``); its keys are the ring history (positions ``< context_len``, read through
@@ -52,33 +54,38 @@ def ring_attention_reference(
             read as ``fp8 * k_scale`` / ``fp8 * v_scale`` (exactly, in fp64).
         batch: the ``VarlenBatch`` the kernels take (either mode).
         window: W. causal: causality among the batch's own keys. scale: default ``D ** -0.5``.
+        write_ring, slot_mapping: as ``ring_attention``.
         compute_dtype: float64, float32, or the kernel's own dtype (``ref_lo`` of the tolerance rule).
-        _launch_options: kernel-only options (``out``, ``num_splits``, ...), ignored here.
+        _launch_options: launch-only options (``out``, ``num_splits``), which do not change the result.
 
     Returns:
         [T, Hq, Dv] in ``q.dtype``.
     """
-    out = torch.zeros(q.shape[0], q.shape[1], v_new.shape[-1], dtype=q.dtype, device=q.device)
     block_size = k_cache.shape[1]
     starts = batch.query_start_loc.tolist()
+    histories = []
     for request, seq_len in enumerate(batch.seq_lens.tolist()):
-        begin, end = starts[request], starts[request + 1]
-        query_len = end - begin
-        if query_len == 0:
-            continue
+        query_len = starts[request + 1] - starts[request]
         context_len = seq_len - query_len
-        ctx_pos = torch.arange(first_visible_position(context_len, window), context_len, device=q.device)
+        first = first_visible_position(context_len, window)
+        # a request without queries reads nothing (its table row may be anything)
         slots = table_slot_mapping(
-            ctx_pos, batch.block_table[request], block_size=block_size, window=window, period=batch.period
+            torch.arange(first, context_len if query_len else first, device=q.device), batch.block_table[request],
+            block_size=block_size, window=window, period=batch.period,
+        )  # fmt: skip
+        histories.append(
+            (first, dequantize(gather_ring(k_cache, slots), k_scale), dequantize(gather_ring(v_cache, slots), v_scale))
         )
-        query_pos = torch.arange(context_len, seq_len, device=q.device)
-        out[begin:end] = attention_by_position(
-            q[begin:end], query_pos,
-            torch.cat([dequantize(gather_ring(k_cache, slots), k_scale), k_new[begin:end].to(torch.float64)]),
-            torch.cat([dequantize(gather_ring(v_cache, slots), v_scale), v_new[begin:end].to(torch.float64)]),
-            torch.cat([ctx_pos, query_pos]),
-            window=window, causal=causal, scale=scale, compute_dtype=compute_dtype,
-        ).to(q.dtype)  # fmt: skip
+    out = dense_history_attention(
+        q, k_new, v_new, histories, batch.query_start_loc, batch.seq_lens, window=window, causal=causal, scale=scale,
+        compute_dtype=compute_dtype,
+    ).to(q.dtype)  # fmt: skip
+    if write_ring:
+        slots = batch_live_slots(
+            batch.query_start_loc, batch.seq_lens, batch.block_table, q.shape[0], block_size=block_size, window=window,
+            period=batch.period, slot_mapping=slot_mapping,
+        )  # fmt: skip
+        ring_write_reference(k_new, v_new, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
     return out
 
 

@@ -1,12 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Triton draft-block attention over the ring (``ring_attention``); must match
-``reference.ring_attention_reference``. Ring arithmetic: ``ring_geometry`` (column = (p // bs) mod period).
+"""Triton attention of a varlen batch over the ring (``ring_attention``), draft blocks and prefill chunks alike;
+must match ``reference.ring_attention_reference``. Ring arithmetic: ``ring_geometry`` (column = (p // bs) mod
+period).
 
-One program owns all ``G x B`` query rows of one KV head of one request (query-major rows ``i * G + g``,
-padded to a 64-row MMA tile), so each context K/V byte is read once per step; it walks the ring one KV block
-per step (one scalar block-table load, 16-byte K/V loads). When requests x KV heads leave SMs idle the window
-is split (``num_splits``, a runtime argument like every batch-dependent value: one compiled kernel serves every
-batch) and the partial results are merged by log-sum-exp in ``_combine_splits_kernel``.
+A query at position ``q`` reads two sources: its history ``[q - W + 1, context_len)`` from the ring, and the
+batch's own keys straight from ``k_new``/``v_new``, so a chunk may be far longer than the ring. One program owns
+``BLOCK_Q`` queries x all ``G`` heads of one KV head of one request (query-major rows ``i * G + g``, padded to the
+MMA tile), so each context K/V byte is read once per step; it walks the ring one KV block per step (one scalar
+block-table load, 16-byte K/V loads). When a batch of draft blocks leaves SMs idle the window is split
+(``num_splits``, a runtime argument like every batch-dependent value: one compiled kernel serves every batch)
+and the partial results are merged by log-sum-exp in ``_combine_splits_kernel``.
+
+With ``write_ring`` the batch's live rows are stored in the ring after the attention (write-after-read):
+writing first would overwrite history a chunk's first queries still need.
 """
 
 from __future__ import annotations
@@ -24,21 +30,35 @@ from ._tiles import (
     ring_tile_count,
 )
 from ._triton_utils import device_sms, is_interpreter
-from .attention_inputs import AttentionInputs, RingCache, validate_attention_inputs
-from .configs import MAX_SPLITS, AttentionConfig, select_attention_config, select_num_splits
+from .attention_inputs import (
+    AttentionInputs,
+    RingCache,
+    check_same_device,
+    check_slot_mapping,
+    validate_attention_inputs,
+)
+from .configs import (
+    MAX_SPLITS,
+    AttentionConfig,
+    select_attention_config,
+    select_num_splits,
+    select_prefill_config,
+)
+from .ring_geometry import batch_live_slots
+from .ring_write import ring_write
 from .varlen import BatchMode, VarlenBatch
 
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["num_m_blocks", "num_splits", "num_tokens"])
+@triton.jit(do_not_specialize=["num_splits", "num_tokens"])
 def _ring_attention_kernel(
     # outputs
     o_ptr,  # [T, HQ, DV] out when num_splits == 1, else the partial outputs [num_splits, T, HQ, DV] (same dtype)
     lse_ptr,  # [num_splits, T, HQ] fp32 (log2 domain) when num_splits > 1
     # inputs
     q_ptr,  # [T, HQ, D]
-    kn_ptr,  # [T, HKV, D]   the block's own keys
+    kn_ptr,  # [T, HKV, D]   the batch's own keys
     vn_ptr,  # [T, HKV, DV]
     kc_ptr,  # [num_blocks, BS, HKV, D]   ring keys (16-element strides, 16-byte aligned base)
     vc_ptr,  # [num_blocks, BS, HKV, DV]
@@ -51,8 +71,7 @@ def _ring_attention_kernel(
     qk_scale,  # softmax scale * log2(e)
     window,
     table_period,
-    num_m_blocks,  # row blocks per KV head: cdiv(max_query_len, QUERIES_PER_BLOCK)
-    num_splits,  # context splits per row block (grid z = num_m_blocks * num_splits)
+    num_splits,  # context splits per query block (grid x = query blocks * num_splits); 1 for prefill chunks
     num_tokens,  # T: split s of the partial buffers starts at token row s * T
     # strides
     stride_o_t: tl.int64,
@@ -77,42 +96,50 @@ def _ring_attention_kernel(
     D: tl.constexpr,
     DV: tl.constexpr,
     BS: tl.constexpr,
-    QUERIES_PER_BLOCK: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
+    TILE_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr,
+    PREFILL: tl.constexpr,  # BatchMode.PREFILL_CHUNK: chunks of any length, so the own-key scan follows the window
     # the interpreter computes bf16 on raw bits: upcast right after every load
     UPCAST: tl.constexpr,
     FP32_IEEE: tl.constexpr,
     KV_FP8: tl.constexpr,  # the ring caches are fp8 (e4m3fn or e5m2), dequantized on load
 ):
-    i_r = tl.program_id(0).to(tl.int64)
+    # query blocks x splits on grid x (the long dimension: grid y and z stop at 65,535); prefill runs unsplit
+    if PREFILL:
+        splits = 1
+        i_qb = tl.program_id(0)
+        i_s = 0
+    else:
+        splits = num_splits
+        i_qb = tl.program_id(0) // num_splits
+        i_s = tl.program_id(0) % num_splits
     i_h = tl.program_id(1).to(tl.int64)
-    i_mb = tl.program_id(2) // num_splits
-    i_s = tl.program_id(2) % num_splits
+    i_r = tl.program_id(2).to(tl.int64)
     bos, q_len, context_len = request_span(query_start_loc_ptr, seq_lens_ptr, i_r)
-    q0 = i_mb * QUERIES_PER_BLOCK
+    q0 = i_qb * BLOCK_Q
     if q0 >= q_len:
         return
 
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
     o_i, o_head, m_row, q_pos, b_q = load_query_rows(
-        q_ptr, bos, q0, q_len, context_len, i_h, stride_q_t, stride_q_h, o_d, o_d < D, G, QUERIES_PER_BLOCK,
-        BLOCK_M, UPCAST,
-    )  # fmt: skip
+        q_ptr, bos, q0, q_len, context_len, i_h, stride_q_t, stride_q_h, o_d, o_d < D, G, BLOCK_Q, BLOCK_M, UPCAST
+    )
     k_scale, v_scale = load_kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    # context keys [ctx_lo, context_len): the union of this row block's windows, in tiles of TILE_N keys split
+    # context keys [ctx_lo, context_len): the union of this query block's windows, in tiles of TILE_N keys split
     # num_splits ways; a runtime span, so no constant grows with the window (full attention: window = 2^40)
     ctx_lo = tl.maximum(context_len + q0 - (window - 1), 0)
     num_tiles = ring_tile_count(ctx_lo, context_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tiles_per_split = tl.cdiv(num_tiles, splits)
     tile_lo = i_s * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     m_i, l_i, acc = attend_ring_range(
@@ -122,12 +149,23 @@ def _ring_attention_kernel(
         D, DV, BLOCK_D, BLOCK_DV, BS, TILE_N, UPCAST, FP32_IEEE, KV_FP8,
     )  # fmt: skip
 
-    # the block's own keys at positions context_len .. context_len + q_len - 1 (last split only)
-    if i_s == num_splits - 1:
+    # the batch's own keys (last split only): a draft block's few rows whole; a prefill chunk's from the lowest
+    # any row of this block sees to the highest (non-causal: min(P + q_len, P + q_last + W), summed so that no
+    # term passes int32 for any W up to 2^31 - 1)
+    if i_s == splits - 1:
+        new_lo = context_len
+        new_hi = context_len + q_len
+        if PREFILL:
+            q_last = tl.minimum(q0 + BLOCK_Q, q_len) - 1
+            new_lo = tl.maximum(context_len + q0 - (window - 1), context_len)
+            if CAUSAL:
+                new_hi = context_len + q_last + 1
+            else:
+                new_hi = context_len + q_last + tl.minimum(q_len - q_last, window)
         m_i, l_i, acc = attend_rows_range(
-            m_i, l_i, acc, b_q, q_pos, context_len, context_len + q_len,
-            kn_ptr + i_h * stride_kn_h, vn_ptr + i_h * stride_vn_h, bos, stride_kn_t, stride_vn_t,
-            o_d, o_dv, qk_scale, window, D, DV, BLOCK_D, BLOCK_DV, TILE_N, CAUSAL, UPCAST, FP32_IEEE,
+            m_i, l_i, acc, b_q, q_pos, new_lo, new_hi, kn_ptr + i_h * stride_kn_h, vn_ptr + i_h * stride_vn_h,
+            bos + (new_lo - context_len).to(tl.int64), stride_kn_t, stride_vn_t, o_d, o_dv, qk_scale, window,
+            D, DV, BLOCK_D, BLOCK_DV, TILE_C, CAUSAL, UPCAST, FP32_IEEE,
         )  # fmt: skip
 
     # a row that saw no key outputs 0 (l = 0)
@@ -137,7 +175,7 @@ def _ring_attention_kernel(
     o_row = i_s * num_tokens + bos + o_i.to(tl.int64)
     p_o = o_ptr + o_row[:, None] * stride_o_t + o_head[:, None] * stride_o_h + o_dv[None, :]
     tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_row[:, None] & (o_dv < DV)[None, :])
-    if num_splits > 1:
+    if splits > 1:
         b_lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         tl.store(lse_ptr + o_row * stride_lse_t + o_head, b_lse, mask=m_row)
 
@@ -183,6 +221,55 @@ def _combine_splits_kernel(
     tl.store(o_ptr + i_t * stride_o_t + i_h * stride_o_h + o_dv, b_o.to(o_ptr.dtype.element_ty), mask=o_dv < DV)
 
 
+# grid y and z stop at 65,535 (CUDA); grid x at 2^31 - 1
+MAX_GRID_YZ = 65_535
+
+
+def attention_grid(batch: VarlenBatch, num_kv_heads: int, block_q: int, num_splits: int) -> tuple[int, int, int]:
+    """(query blocks x splits, KV heads, requests): the long dimension on grid x."""
+    if num_kv_heads > MAX_GRID_YZ or batch.num_reqs > MAX_GRID_YZ:
+        raise ValueError(
+            f"num_kv_heads={num_kv_heads} / num_reqs={batch.num_reqs} exceed the grid's {MAX_GRID_YZ}; split the batch"
+        )
+    return (triton.cdiv(batch.max_query_len, block_q) * num_splits, num_kv_heads, batch.num_reqs)
+
+
+def select_config(batch: VarlenBatch, inputs: AttentionInputs) -> AttentionConfig:
+    """The launch shape for the batch's mode: draft blocks from the head shape only (CUDA-graph safe), prefill
+    chunks also from the longest chunk."""
+    _, block_size, _, head_dim = inputs.cache.k_cache.shape
+    shape = {"group_size": inputs.group_size, "head_dim": head_dim, "head_dim_v": inputs.cache.v_cache.shape[3],
+             "block_size": block_size}  # fmt: skip
+    if batch.mode is BatchMode.DRAFT_BLOCK:
+        return select_attention_config(**shape, kv_fp8=inputs.cache.fp8)
+    return select_prefill_config(**shape, max_query_len=batch.max_query_len, interpreted=is_interpreter())
+
+
+def split_count(
+    num_splits: int | None, batch: VarlenBatch, config: AttentionConfig, *, num_kv_heads: int, window: int,
+    device: torch.device,
+) -> int:  # fmt: skip
+    """The split-KV count: ``num_splits`` when forced (draft blocks only), else chosen from the SMs left idle."""
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits={num_splits!r} must be an int >= 1 or None")
+    if batch.mode is BatchMode.PREFILL_CHUNK:
+        if num_splits not in (None, 1):
+            raise ValueError(
+                f"num_splits={num_splits} applies to draft blocks; a prefill chunk's queries already fill the GPU: "
+                "drop num_splits"
+            )
+        return 1
+    if num_splits is None:
+        num_splits = select_num_splits(
+            num_reqs=batch.num_reqs, num_kv_heads=num_kv_heads,
+            num_m_blocks=triton.cdiv(batch.max_query_len, config.BLOCK_Q), window=window, tile_n=config.TILE_N,
+            num_sms=device_sms(device),
+        )  # fmt: skip
+    if num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits={num_splits} exceeds MAX_SPLITS={MAX_SPLITS}")
+    return num_splits
+
+
 def ring_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -198,69 +285,88 @@ def ring_attention(
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    write_ring: bool = False,
+    slot_mapping: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attend each request's draft block over its ring context and its own K/V.
+    """Attend a varlen batch (draft blocks or prefill chunks, ``batch.mode``) over its ring history and its own
+    K/V; with ``write_ring``, then store its live rows in the ring.
 
     Window convention (``window = W``): a query at absolute position ``q`` sees key ``k`` iff ``q - k < W``
     and ``k >= 0``; causal adds ``k <= q``, non-causal adds ``k - q < W`` (vLLM ``sliding_window``;
     FlashAttention ``(W-1, 0)`` / ``(W-1, W-1)``). Request ``r``'s ``query_len`` queries sit at positions
     ``context_len .. seq_len - 1`` (``varlen``); context keys ``< context_len`` come from the ring, the
-    block's own keys from ``k_new``/``v_new``.
+    batch's own keys from ``k_new``/``v_new``.
 
     Args:
         q: [T, Hq, D] fp16/bf16/fp32. k_new: [T, Hkv, D]. v_new: [T, Hkv, Dv].
         k_cache: [num_blocks, bs, Hkv, D] view, v_cache: [num_blocks, bs, Hkv, Dv]: any strides that are
             multiples of 16 elements, 16-byte aligned base (``check_kv_alignment``); ``q.dtype``, or both
-            float8_e4m3fn / float8_e5m2 (``kv_quant``: the ring holds ``fp8(K / k_scale)``).
-        batch: a ``VarlenBatch`` in ``BatchMode.DRAFT_BLOCK``.
-        window: W >= 1. causal: causality among the block's own keys.
+            float8_e4m3fn / float8_e5m2 (``kv_quant``: the ring holds ``fp8(K / k_scale)``, written quantized).
+        batch: a ``VarlenBatch``; ``BatchMode.DRAFT_BLOCK`` (blocks of up to ``MAX_QUERY_LEN`` rows, split-KV)
+            or ``BatchMode.PREFILL_CHUNK`` (chunks of any length).
+        window: W >= 1. causal: causality among the batch's own keys.
         scale: softmax scale, default ``D ** -0.5``.
         k_scale, v_scale: [1] float tensors on the caches' device, for fp8 caches only (vLLM ``layer._k_scale``).
-        out: optional [T, Hq, Dv] output. num_splits: force the split-KV count (tests, benchmarks).
+        out: optional [T, Hq, Dv] output. num_splits: force the split-KV count of draft blocks (tests, benchmarks).
+        write_ring: after the attention, store the rows of positions ``>= seq_lens[r] - (W - 1)`` (the live ones;
+            of rows sharing a slot only the last) through ``slot_mapping`` when given (vLLM's, [>= T]), else
+            through ``batch.block_table``.
 
     Returns:
         [T, Hq, Dv] in ``q.dtype``; rows past ``query_start_loc[-1]`` are left as they were.
     """
-    inputs: AttentionInputs = validate_attention_inputs(
-        q, k_new, v_new, RingCache(k_cache, v_cache, k_scale, v_scale), batch, mode=BatchMode.DRAFT_BLOCK,
-        window=window, scale=scale, out=out,
-    )  # fmt: skip
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits={num_splits!r} must be an int >= 1 or None")
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, head_dim_v = k_new.shape[1], v_new.shape[-1]
-    out = inputs.out
-    if batch.num_reqs == 0 or num_tokens == 0:
-        return out
-    config: AttentionConfig = select_attention_config(
-        group_size=inputs.group_size,
-        head_dim=head_dim,
-        head_dim_v=head_dim_v,
-        block_size=k_cache.shape[1],
-        kv_fp8=inputs.cache.fp8,
+    inputs = validate_attention_inputs(
+        q, k_new, v_new, RingCache(k_cache, v_cache, k_scale, v_scale), batch, window=window, scale=scale, out=out
     )
-    num_m_blocks = triton.cdiv(batch.max_query_len, config.queries_per_block)
-    if num_splits is None:
-        num_splits = select_num_splits(
-            num_reqs=batch.num_reqs, num_kv_heads=num_kv_heads, num_m_blocks=num_m_blocks, window=window,
-            tile_n=config.TILE_N, num_sms=device_sms(q.device),
+    num_tokens = q.shape[0]
+    if slot_mapping is not None:
+        if not write_ring:
+            raise ValueError("slot_mapping was given with write_ring=False; pass write_ring=True to store the rows")
+        check_slot_mapping(slot_mapping, num_tokens)
+        check_same_device({"q": q, "slot_mapping": slot_mapping})
+    config = select_config(batch, inputs)
+    num_splits = split_count(num_splits, batch, config, num_kv_heads=k_new.shape[1], window=window, device=q.device)
+    if batch.num_reqs and num_tokens:
+        launch_attention(q, k_new, v_new, batch, inputs, config, num_splits, window=window, causal=causal)
+    if write_ring and num_tokens:
+        slots = batch_live_slots(
+            batch.query_start_loc, batch.seq_lens, batch.block_table, num_tokens, block_size=k_cache.shape[1],
+            window=window, period=batch.period, slot_mapping=slot_mapping,
         )  # fmt: skip
-    if num_splits > MAX_SPLITS:
-        raise ValueError(f"num_splits={num_splits} exceeds MAX_SPLITS={MAX_SPLITS}")
+        ring_write(k_new, v_new, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
+    return inputs.out
+
+
+def launch_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    batch: VarlenBatch,
+    inputs: AttentionInputs,
+    config: AttentionConfig,
+    num_splits: int,
+    *,
+    window: int,
+    causal: bool,
+) -> None:
+    """The attention kernel on validated inputs, and with splits the log-sum-exp merge into ``inputs.out``."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    head_dim_v = v_new.shape[-1]
+    out = inputs.out
     # with splits: partial outputs [num_splits, T, Hq, Dv] in out's dtype (the output rounding, once per split)
     # and fp32 LSEs [num_splits, T, Hq]; with one split the kernel writes out (a one-token LSE stand-in)
     lse = torch.empty(num_splits, num_tokens if num_splits > 1 else 1, num_q_heads, dtype=torch.float32,
                       device=q.device)  # fmt: skip
     target = out if num_splits == 1 else out.new_empty(num_splits, num_tokens, num_q_heads, head_dim_v)
-    _ring_attention_kernel[(batch.num_reqs, num_kv_heads, num_m_blocks * num_splits)](
+    _ring_attention_kernel[attention_grid(batch, k_new.shape[1], config.BLOCK_Q, num_splits)](
         target, lse, q, k_new, v_new, *inputs.cache.pointers(), batch.block_table, batch.query_start_loc,
-        batch.seq_lens, inputs.scale * LOG2E, window, batch.period, num_m_blocks, num_splits, num_tokens,
+        batch.seq_lens, inputs.scale * LOG2E, window, batch.period, num_splits, num_tokens,
         target.stride(-3), target.stride(-2), lse.stride(1),
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         *inputs.cache.strides(), batch.block_table.stride(0), batch.block_table.stride(1),
-        G=inputs.group_size, D=head_dim, DV=head_dim_v, BS=k_cache.shape[1],
-        QUERIES_PER_BLOCK=config.queries_per_block, BLOCK_M=config.BLOCK_M, TILE_N=config.TILE_N,
-        BLOCK_D=config.BLOCK_D, BLOCK_DV=config.BLOCK_DV, CAUSAL=causal,
+        G=inputs.group_size, D=head_dim, DV=head_dim_v, BS=inputs.cache.k_cache.shape[1], BLOCK_Q=config.BLOCK_Q,
+        BLOCK_M=config.BLOCK_M, TILE_N=config.TILE_N, TILE_C=config.TILE_C, BLOCK_D=config.BLOCK_D,
+        BLOCK_DV=config.BLOCK_DV, CAUSAL=causal, PREFILL=batch.mode is BatchMode.PREFILL_CHUNK,
         UPCAST=is_interpreter(), FP32_IEEE=q.dtype == torch.float32, KV_FP8=inputs.cache.fp8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
@@ -270,4 +376,3 @@ def ring_attention(
             out.stride(0), out.stride(1), target.stride(1), target.stride(2), lse.stride(1),
             DV=head_dim_v, BLOCK_DV=config.BLOCK_DV, BLOCK_S=triton.next_power_of_2(MAX_SPLITS),
         )  # fmt: skip
-    return out

@@ -237,6 +237,29 @@ def live_write_slots(
     return last_writer_slots(pad_unwritten(slot_mapping[:num_tokens], positions, ends, window))
 
 
+def batch_live_slots(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    num_tokens: int,
+    *,
+    block_size: int,
+    window: int,
+    period: int,
+    slot_mapping: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Where a varlen batch's rows are stored after its attention (write-after-read): vLLM's ``slot_mapping`` when
+    given, else the ring slots of ``block_table`` (``table_slot_mapping``); positions before
+    ``seq_lens[r] - (W - 1)`` and all but the last writer of each slot PAD. No host sync."""
+    if slot_mapping is not None:
+        return live_write_slots(slot_mapping, query_start_loc, seq_lens, num_tokens, window)
+    request, positions, ends = varlen_positions(query_start_loc, seq_lens, num_tokens)
+    return last_writer_slots(table_slot_mapping(
+        positions, block_table, block_size=block_size, window=window, period=period, request_index=request,
+        seq_len=ends,
+    ))  # fmt: skip
+
+
 def last_writer_slots(slot_mapping: torch.Tensor) -> torch.Tensor:
     """PAD every row whose slot a later row of the same batch also writes; keep the last writer.
 

@@ -10,21 +10,31 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import is_interpreter
-from .attention_inputs import SUPPORTED_DTYPES, RingCache, check_ring_cache, check_same_device
+from .attention_inputs import SUPPORTED_DTYPES, RingCache, check_ring_cache, check_same_device, check_slot_mapping
 from .configs import select_write_config
 from .kv_quant import FP8_FORMATS, quantize_fp8_bits
-from .varlen import INDEX_DTYPES
 
 
 @triton.jit
-def store_value(b_x, scale_ptr, cache_ptr, KV_FP8: tl.constexpr, EXP_BIAS: tl.constexpr, MANTISSA: tl.constexpr,
-                MAX_FINITE: tl.constexpr):  # fmt: skip
-    # the rows as the cache holds them: quantized bytes (reinterpreted as the cache's fp8 type), or a plain cast
+def scatter_tile(
+    src_ptr, stride_t: tl.int64, stride_h: tl.int64,  # rows [T, HKV, D] of K or of V
+    cache_ptr, stride_b: tl.int64, stride_s: tl.int64, stride_hc: tl.int64,  # its ring view [blocks, BS, HKV, D]
+    scale_ptr,  # [1] fp32 when KV_FP8: stores fp8(x / scale)
+    o_t, m_t, o_blk, o_off,  # [BLOCK_T] token rows, which to store, their block and in-block row
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr,
+    EXP_BIAS: tl.constexpr, MANTISSA: tl.constexpr, MAX_FINITE: tl.constexpr,
+):  # fmt: skip
+    # rows [BLOCK_T] x (head, dim) columns [BLOCK_H * BLOCK_D], stored as the cache holds them: quantized bytes
+    # (reinterpreted as the cache's fp8 type), or a plain cast
+    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H * BLOCK_D) // BLOCK_D
+    o_d = tl.arange(0, BLOCK_H * BLOCK_D) % BLOCK_D
+    m_x = m_t[:, None] & ((o_h < HKV) & (o_d < D))[None, :]
+    b_x = tl.load(src_ptr + o_t[:, None] * stride_t + (o_h * stride_h + o_d)[None, :], mask=m_x)
     if KV_FP8:
         bits = quantize_fp8_bits(b_x, tl.load(scale_ptr), EXP_BIAS, MANTISSA, MAX_FINITE)
-        return bits.to(cache_ptr.dtype.element_ty, bitcast=True)
-    else:
-        return b_x.to(cache_ptr.dtype.element_ty)
+        b_x = bits.to(cache_ptr.dtype.element_ty, bitcast=True)
+    p_c = cache_ptr + (o_blk * stride_b + o_off * stride_s)[:, None] + (o_h * stride_hc + o_d)[None, :]
+    tl.store(p_c, b_x.to(cache_ptr.dtype.element_ty), mask=m_x)
 
 
 @triton.jit
@@ -66,24 +76,19 @@ def _ring_write_kernel(
     MANTISSA: tl.constexpr,
     MAX_FINITE: tl.constexpr,
 ):
-    # rows [BLOCK_T] x (head, dim) columns [BLOCK_H * BLOCK_D]
     o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     b_slot = tl.load(slot_mapping_ptr + o_t, mask=o_t < num_tokens, other=-1).to(tl.int64)
     m_t = b_slot >= 0
     o_blk = b_slot // BS
     o_off = b_slot % BS
-    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H * BLOCK_D) // BLOCK_D
-    o_d = tl.arange(0, BLOCK_H * BLOCK_D) % BLOCK_D
-    m_k = m_t[:, None] & ((o_h < HKV) & (o_d < D))[None, :]
-    b_k = tl.load(k_ptr + o_t[:, None] * stride_k_t + (o_h * stride_k_h + o_d)[None, :], mask=m_k)
-    p_kc = kc_ptr + (o_blk * stride_kc_b + o_off * stride_kc_s)[:, None] + (o_h * stride_kc_h + o_d)[None, :]
-    tl.store(p_kc, store_value(b_k, k_scale_ptr, kc_ptr, KV_FP8, EXP_BIAS, MANTISSA, MAX_FINITE), mask=m_k)
-    o_hv = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H * BLOCK_DV) // BLOCK_DV
-    o_dv = tl.arange(0, BLOCK_H * BLOCK_DV) % BLOCK_DV
-    m_v = m_t[:, None] & ((o_hv < HKV) & (o_dv < DV))[None, :]
-    b_v = tl.load(v_ptr + o_t[:, None] * stride_v_t + (o_hv * stride_v_h + o_dv)[None, :], mask=m_v)
-    p_vc = vc_ptr + (o_blk * stride_vc_b + o_off * stride_vc_s)[:, None] + (o_hv * stride_vc_h + o_dv)[None, :]
-    tl.store(p_vc, store_value(b_v, v_scale_ptr, vc_ptr, KV_FP8, EXP_BIAS, MANTISSA, MAX_FINITE), mask=m_v)
+    scatter_tile(
+        k_ptr, stride_k_t, stride_k_h, kc_ptr, stride_kc_b, stride_kc_s, stride_kc_h, k_scale_ptr,
+        o_t, m_t, o_blk, o_off, HKV, D, BLOCK_H, BLOCK_D, KV_FP8, EXP_BIAS, MANTISSA, MAX_FINITE,
+    )  # fmt: skip
+    scatter_tile(
+        v_ptr, stride_v_t, stride_v_h, vc_ptr, stride_vc_b, stride_vc_s, stride_vc_h, v_scale_ptr,
+        o_t, m_t, o_blk, o_off, HKV, DV, BLOCK_H, BLOCK_DV, KV_FP8, EXP_BIAS, MANTISSA, MAX_FINITE,
+    )  # fmt: skip
 
 
 def ring_write(
@@ -122,10 +127,7 @@ def ring_write(
         )
     cache = check_ring_cache(RingCache(k_cache, v_cache, k_scale, v_scale), dtype=k.dtype, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, head_dim_v=v.shape[2])  # fmt: skip
-    if slot_mapping.dtype not in INDEX_DTYPES or slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_tokens:
-        raise ValueError(
-            f"slot_mapping is {slot_mapping.dtype} {tuple(slot_mapping.shape)}; expected int32/int64 [>= {num_tokens}]"
-        )
+    check_slot_mapping(slot_mapping, num_tokens)
     for name, tensor in (("k", k), ("v", v)):
         if tensor.numel() and tensor.stride(-1) != 1:
             raise ValueError(f"{name} has last-dim stride {tensor.stride(-1)}; the head dim must be contiguous")

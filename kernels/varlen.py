@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The varlen batch contract of the ring kernels: one definition of a batch's tensors and host-side bounds,
-validated once, shared by ``ring_attention``, ``ring_prefill_attention`` and the reference.
+validated once, shared by ``ring_attention`` and the reference; its ``mode`` picks the launch.
 
 Names follow vLLM / FlashAttention varlen: request ``r`` owns query rows
 ``query_start_loc[r] .. query_start_loc[r+1] - 1`` (``query_len``); ``seq_lens[r]`` counts its positions up to
@@ -30,13 +30,13 @@ MAX_SEQ_LEN = MAX_POSITION
 
 
 class BatchMode(enum.Enum):
-    """What the queries of a batch are; it decides which launcher takes it and how much ring it needs.
+    """What the queries of a batch are; it decides how ``ring_attention`` launches and how much ring it needs.
 
     ``DRAFT_BLOCK``: each request's queries are one draft block of at most ``MAX_QUERY_LEN`` rows whose K/V
     may sit in the ring's slack past ``context_len`` (the ring needs ``RingPlan(W, bs, lookahead >=
-    max_query_len)``); ``ring_attention``.
+    max_query_len)``); split-KV over the window.
     ``PREFILL_CHUNK``: chunks of any length; the ring is read before the chunk's rows are written, so it needs
-    only the window (lookahead 1); ``ring_prefill_attention``.
+    only the window (lookahead 1).
     """
 
     DRAFT_BLOCK = "draft_block"
@@ -95,7 +95,7 @@ class VarlenBatch:
             raise ValueError(f"block_table has {self.block_table.shape[0]} rows for {num_reqs} requests; give one each")
         if self.mode is BatchMode.DRAFT_BLOCK:
             _check_int("max_query_len", self.max_query_len, 1, MAX_QUERY_LEN,
-                       "a draft block; use BatchMode.PREFILL_CHUNK (ring_prefill_attention) for chunks")  # fmt: skip
+                       "a draft block; use BatchMode.PREFILL_CHUNK for chunks")  # fmt: skip
         else:
             _check_int("max_query_len", self.max_query_len, 1, MAX_SEQ_LEN, "the longest chunk")
         _check_int("max_seq_len", self.max_seq_len, 0, MAX_SEQ_LEN,

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Run step of the ring backend: attention and KV writes through ringkv's kernels.
 
-``forward`` reads the batch's own K/V straight from ``key``/``value`` (draft blocks: ``ring_attention``;
-longer chunks: ``ring_prefill_attention``) and only then stores the live new rows in the ring
-(write-after-read), for target sliding layers. A drafter's block rows are never context (the next step's
+``forward`` reads the batch's own K/V straight from ``key``/``value`` (``ring_attention``: draft blocks and
+longer chunks alike) and only then stores the live new rows in the ring (write-after-read), for target sliding
+layers. A drafter's block rows are never context (the next step's
 verified rows take those positions), so draft layers store nothing in ``forward``; their context K/V
 (vLLM's ``precompute_and_store_context_kv``) arrive through ``do_kv_cache_update``.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from ringkv.kernels import ring_write
-from ringkv.kernels.backend_step import attend, split_kv_cache, store_rows, vllm_batch
+from ringkv.kernels import ring_attention
+from ringkv.kernels.backend_step import split_kv_cache, store_rows, vllm_batch
 from ringkv.kernels.kv_quant import fp8_dtype_of
-from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, live_write_slots
+from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW
 
 from ._compat import AttentionImpl, AttentionLayer, AttentionType
 from .metadata import RingAttentionMetadata
@@ -103,12 +103,12 @@ class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, -1)
         batch = vllm_batch(md.query_start_loc, md.seq_lens, md.block_table, md.max_query_len, md.max_seq_len)
-        attend(q, k, v, k_cache, v_cache, batch, window=self.window, causal=md.causal, scale=self.scale,
-               out=output[:n].view(n, self.num_heads, -1), **scales)  # fmt: skip
-        if md.persist_new_rows and n:
-            # write-after-read: the chunk's first queries needed the history these rows may replace
-            slots = live_write_slots(md.slot_mapping, md.query_start_loc, md.seq_lens, n, self.window)
-            ring_write(k, v, k_cache, v_cache, slots, **scales)
+        # write-after-read: the chunk's first queries need the history its rows may replace
+        ring_attention(
+            q, k, v, k_cache, v_cache, batch, window=self.window, causal=md.causal, scale=self.scale,
+            out=output[:n].view(n, self.num_heads, -1), write_ring=md.persist_new_rows,
+            slot_mapping=md.slot_mapping if md.persist_new_rows else None, **scales,
+        )  # fmt: skip
         return output
 
     def do_kv_cache_update(

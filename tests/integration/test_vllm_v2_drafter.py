@@ -230,7 +230,7 @@ def test_a_replay_reads_this_steps_buffers_through_the_captured_metadata():
 
 
 def test_a_target_chunk_with_a_different_value_head_size():
-    """A target sliding layer's prefill chunk (``ring_prefill_attention``, more than 64 queries) with
+    """A target sliding layer's prefill chunk (``ring_attention`` on a ``PREFILL_CHUNK``, more than 64 queries) with
     ``head_size_v != head_size`` (what ``supports_head_size_v`` declares): attends, then stores its live rows."""
     torch.manual_seed(2)
     head_size, head_size_v, context_len, chunk = 64, 32, 150, 70

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from ringkv.kernels import BatchMode, VarlenBatch, ring_attention, ring_prefill_attention, ring_write
+from ringkv.kernels import BatchMode, VarlenBatch, ring_attention, ring_write
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW
 from ringkv.kernels.varlen import MAX_SEQ_LEN
 
@@ -52,8 +52,12 @@ BAD_ATTENTION = [
     ("q-strided-headdim", lambda a: _replace(a, q=torch.zeros(10, 4, 32)[..., ::2]), "q has last-dim stride 2"),
     ("splits-0", lambda a: _replace(a, num_splits=0), "num_splits=0 must be an int >= 1"),
     ("splits-17", lambda a: _replace(a, num_splits=17), "num_splits=17 exceeds MAX_SPLITS=16"),
-    ("prefill-batch", lambda a: _replace(a, batch=_batch(a, mode=BatchMode.PREFILL_CHUNK)),
-     "this launcher takes BatchMode.DRAFT_BLOCK"),
+    ("splits-for-prefill", lambda a: _replace(a, batch=_batch(a, mode=BatchMode.PREFILL_CHUNK), num_splits=2),
+     "num_splits=2 applies to draft blocks"),
+    ("slots-without-write", lambda a: _replace(a, slot_mapping=torch.zeros(10, dtype=torch.int64)),
+     "slot_mapping was given with write_ring=False"),
+    ("slots-short", lambda a: _replace(a, write_ring=True, slot_mapping=torch.zeros(3, dtype=torch.int64)),
+     "slot_mapping is torch.int64 (3,); expected int32/int64 [>= 10]"),
     ("batch-not-varlen", lambda a: _replace(a, batch=a["batch"].__dict__), "build one with VarlenBatch.build"),
 ]  # fmt: skip
 
@@ -171,18 +175,16 @@ def test_ring_write_rejects(changes, message):
     assert torch.isnan(args["v_cache"]).all(), "a rejected call wrote to the cache"
 
 
-def test_ring_prefill_attention_rejects_bad_inputs(case):
+def test_ring_attention_rejects_bad_prefill_inputs():
     prefill = make_ring_case([(40, 8), (3, 2)], window=37, block_size=8, num_q_heads=4, num_kv_heads=2, head_dim=16,
                              mode=BatchMode.PREFILL_CHUNK)  # fmt: skip
-    args = prefill.kernel_args()
+    args = {**prefill.kernel_args(), "write_ring": True}
     with pytest.raises(ValueError, match=r"k_new has dtype torch\.float16"):
-        ring_prefill_attention(**{**args, "k_new": prefill.k_new.half()})
+        ring_attention(**{**args, "k_new": prefill.k_new.half()})
     with pytest.raises(ValueError, match=re.escape("window=0 must be an int in 1..")):
-        ring_prefill_attention(**{**args, "window": 0})
-    with pytest.raises(ValueError, match=re.escape("this launcher takes BatchMode.PREFILL_CHUNK")):
-        ring_prefill_attention(**case.kernel_args())
+        ring_attention(**{**args, "window": 0})
     # a prefill ring needs only the window: R = cdiv(W - 1, bs) + 1 = 6 for W 37, bs 8 (no draft-block slack)
     before = prefill.k_cache.clone()
     with pytest.raises(ValueError, match="it needs R >= 6"):
-        ring_prefill_attention(**{**args, "batch": _batch(args, table_period=5)})
+        ring_attention(**{**args, "batch": _batch(args, table_period=5)})
     torch.testing.assert_close(prefill.k_cache, before, equal_nan=True, atol=0, rtol=0)

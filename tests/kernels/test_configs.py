@@ -28,7 +28,7 @@ def test_select_attention_config_is_total_and_consistent(group_size, head_dim, h
     assert config == select_attention_config(**shape)
     # the G x B rows of a KV head padded to the 64-row MMA tile; a query's G heads never straddle two programs
     assert config.BLOCK_M >= ATTENTION_BLOCK_M and group_size <= config.BLOCK_M
-    assert config.queries_per_block >= 1 and config.queries_per_block * group_size <= config.BLOCK_M
+    assert config.BLOCK_Q >= 1 and config.BLOCK_Q * group_size <= config.BLOCK_M
     assert head_dim <= config.BLOCK_D and head_dim_v <= config.BLOCK_DV and min(config.TILE_N, config.BLOCK_D) >= 16
     # one KV block (or a part of one) per loop step whenever the block size allows it
     assert block_size % config.TILE_N == 0 or config.TILE_N == 16

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Randomized differential suite: ``ring_write``, ``ring_attention`` and ``ring_prefill_attention`` against the
+"""Randomized differential suite: ``ring_write`` and ``ring_attention`` (draft blocks and prefill chunks) against the
 dense fp64 oracle (``ringkv.kernels.oracle``), which keeps every request's history by absolute position, and
 against a model of the ring that says which row each slot holds.
 
@@ -8,7 +8,7 @@ every failure message; ``--seed-offset N`` draws other cases (``-k <tier>-s<seed
 one). The CI tier redraws from the same stream until a case is cheap under the interpreter. A case is a varlen batch
 (zero-query requests included) over a NaN pool in one of vLLM's layouts, with compact (``table_period=R``) or full
 logical rows (dead blocks -> the null block 0), int32 or int64 metadata; histories are written in chunks longer
-than the ring through ``ring_write`` with ``RingPlan`` slot mappings, or by ``ring_prefill_attention`` itself.
+than the ring through ``ring_write`` with ``RingPlan`` slot mappings, or by ``ring_attention(write_ring=True)``.
 Before every attention launch each slot no query of it may read is NaN; after every launch the whole pool (guard
 padding included) must be byte for byte what the model says: a write touches exactly its live slots. fp8 rings
 (e4m3fn / e5m2 under bf16 / fp16 compute, random per-case scales) hold ``quantize_fp8`` bytes of the history, and the
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import triton
-from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, ring_prefill_attention, ring_write
+from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, ring_write
 from ringkv.kernels.attention_inputs import KV_STRIDE_ELEMENTS
 from ringkv.kernels.configs import MAX_SPLITS
 from ringkv.kernels.kv_quant import dequantize, quantize_fp8
@@ -435,14 +435,14 @@ def attend(world: RingWorld, lens: tuple[int, ...], contexts: list[int], *, pref
     args = {"q": q.to(world.device), "k_new": k_new.to(world.device), "v_new": v_new.to(world.device),
             "k_cache": world.k_cache, "v_cache": world.v_cache, "batch": batch, "window": d.window,
             "causal": d.causal, "out": out, **world.scales}  # fmt: skip
-    launch = f"{'ring_prefill_attention' if prefill else 'ring_attention'} of {lens} at {contexts}"
+    launch = f"ring_attention ({mode.value}) of {lens} at {contexts}"
     if prefill:
         slot_mapping = None
-        if d.vllm_slots:
+        if write and d.vllm_slots:
             # vLLM's own mapping: every row through the launch's row (a chunk longer than the ring repeats slots)
             slots = [world.slot(rows[r], p) for r, span in enumerate(spans) for p in span] + [PAD_SLOT] * d.pad_tokens
             slot_mapping = torch.tensor(slots, dtype=d.slot_dtype, device=world.device)
-        ring_prefill_attention(**args, write_ring=write, slot_mapping=slot_mapping)
+        ring_attention(**args, write_ring=write, slot_mapping=slot_mapping)
     else:
         ring_attention(**args, num_splits=d.num_splits)
     num_tokens = sum(lens)

@@ -1,18 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """fp8 ring KV (e4m3fn, e5m2): ring_write's stored bytes against the reference quantization, saturation and
-untouched PAD rows; ring_attention and ring_prefill_attention against the dense fp64 oracle on the dequantized
-history, with the fp8 NaN byte in every slot they must not read; bad fp8 inputs."""
+untouched PAD rows; ring_attention (draft blocks and prefill chunks) against the dense fp64 oracle on the
+dequantized history, with the fp8 NaN byte in every slot it must not read; bad fp8 inputs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, ring_prefill_attention, ring_write
+from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, ring_write
 from ringkv.kernels.kv_quant import FP8_KV_CACHE_DTYPES, dequantize, fp8_dtype_of, quantize_fp8
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW
 
 from tests.testing import (
     NAN,
+    RingCase,
     aligned_cache,
     assert_attention_close,
     case_oracle_pair,
@@ -90,6 +91,19 @@ def test_ring_write_stores_reference_bytes(fp8, dtype, device):
     assert torch.equal(after[~written], before[~written]), "ring_write touched bytes outside the live rows"
 
 
+def attend_matches_oracle(case: RingCase, device: torch.device, **options: object) -> RingCase:
+    """``ring_attention`` of the case into a NaN output: the batch's rows match the dense oracle on the dequantized
+    history, the padding rows stay NaN. Returns the case on ``device`` (its caches as the launch left them)."""
+    ref_hi, ref_lo = case_oracle_pair(case)
+    case = case.to(device)
+    out = torch.full(ref_hi.shape, NAN, dtype=case.q.dtype, device=device)
+    ring_attention(**case.kernel_args(), out=out, **options)
+    real = int(case.query_start_loc[-1])
+    assert torch.isnan(out[real:]).all(), "padding rows were written"
+    assert_attention_close(out[:real].cpu(), ref_hi[:real], ref_lo[:real], name=f"fp8 {case.mode.value}", case=case)
+    return case
+
+
 # (requests [(P, B)], W, bs, Hq, Hkv, D, compute dtype, fp8, causal, num_splits)
 DECODE = [
     pytest.param([(14, 8), (15, 8), (0, 3)], 15, 16, 8, 2, 64, torch.bfloat16, E4M3, False, None, id="e4m3-bf16-W15"),
@@ -109,13 +123,7 @@ def test_fp8_ring_attention_matches_oracle(requests, window, bs, hq, hkv, d, dty
         causal=causal, full_rows=window == UNBOUNDED_WINDOW, pad_tokens=2, kv_dtype=fp8,
         seed=stable_seed(requests, window, bs, d, dtype, fp8, causal),
     )  # fmt: skip
-    ref_hi, ref_lo = case_oracle_pair(case)
-    case = case.to(device)
-    out = torch.full(ref_hi.shape, NAN, dtype=dtype, device=device)
-    ring_attention(**case.kernel_args(), out=out, num_splits=splits)
-    real = int(case.query_start_loc[-1])
-    assert torch.isnan(out[real:]).all(), "padding rows were written"
-    assert_attention_close(out[:real].cpu(), ref_hi[:real], ref_lo[:real], name="fp8 ring_attention", case=case)
+    attend_matches_oracle(case, device, num_splits=splits)
 
 
 PREFILL = [
@@ -134,12 +142,7 @@ def test_fp8_ring_prefill_matches_oracle_and_writes_quantized(requests, window, 
         causal=causal, lookahead=1, pad_tokens=3, mode=BatchMode.PREFILL_CHUNK, kv_dtype=fp8,
         seed=stable_seed(requests, window, dtype, fp8, causal),
     )  # fmt: skip
-    ref_hi, ref_lo = case_oracle_pair(case)
-    case = case.to(device)
-    out = torch.full(ref_hi.shape, NAN, dtype=dtype, device=device)
-    ring_prefill_attention(**case.kernel_args(), out=out)
-    real = int(case.query_start_loc[-1])
-    assert_attention_close(out[:real].cpu(), ref_hi[:real], ref_lo[:real], name="fp8 ring_prefill", case=case)
+    case = attend_matches_oracle(case, device, write_ring=True)
     start = 0
     for r, (p, c) in enumerate(requests):
         for t in range(max(0, c - (window - 1)), c):  # the chunk's live rows
@@ -188,14 +191,15 @@ BAD_FP8 = [
 
 
 @pytest.mark.parametrize(("changes", "message"), [pytest.param(c, m, id=i) for i, c, m in BAD_FP8])
-@pytest.mark.parametrize("launcher", [ring_attention, ring_prefill_attention], ids=["decode", "prefill"])
-def test_fp8_bad_inputs_raise_before_launch(changes, message, launcher):
+@pytest.mark.parametrize("mode", [BatchMode.DRAFT_BLOCK, BatchMode.PREFILL_CHUNK], ids=["decode", "prefill"])
+def test_fp8_bad_inputs_raise_before_launch(changes, message, mode):
     args = _fp8_args()
-    if launcher is ring_prefill_attention:
+    if mode is BatchMode.PREFILL_CHUNK:
         args["batch"] = VarlenBatch.build(
             args["batch"].query_start_loc, args["batch"].seq_lens, args["batch"].block_table,
-            mode=BatchMode.PREFILL_CHUNK, table_period=args["batch"].table_period,
+            mode=mode, table_period=args["batch"].table_period,
         )  # fmt: skip
+        args["write_ring"] = True
     for name, value in changes.items():
         # a dtype replaces a cache by a same-shaped one of that dtype (padded storage, as the kernels need)
         if isinstance(value, torch.dtype):
@@ -203,7 +207,7 @@ def test_fp8_bad_inputs_raise_before_launch(changes, message, launcher):
         args[name] = value
     before = args["k_cache"].clone()
     with pytest.raises(ValueError, match=message):
-        launcher(**args)
+        ring_attention(**args)
     assert torch.equal(args["k_cache"].view(torch.uint8), before.view(torch.uint8)), "a rejected call wrote"
 
 

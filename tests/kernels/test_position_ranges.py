@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ringkv.kernels import BatchMode, ring_attention, ring_prefill_attention
+from ringkv.kernels import BatchMode, ring_attention
 from ringkv.kernels.ring_geometry import MAX_POSITION, UNBOUNDED_WINDOW
 from ringkv.kernels.varlen import MAX_SEQ_LEN
 
@@ -17,12 +17,10 @@ pytestmark = pytest.mark.interpreter
 
 
 def run(case, device) -> torch.Tensor:
-    """The case's launcher (draft block or prefill chunk) into a NaN-filled output."""
+    """``ring_attention`` on the case (draft block or prefill chunk) into a NaN-filled output."""
     case = case.to(device)
     out = torch.full((case.q.shape[0], case.q.shape[1], case.v_new.shape[-1]), NAN, dtype=case.q.dtype, device=device)
-    if case.mode is BatchMode.DRAFT_BLOCK:
-        return ring_attention(**case.kernel_args(), out=out).cpu()
-    return ring_prefill_attention(**case.kernel_args(), out=out, write_ring=False).cpu()
+    return ring_attention(**case.kernel_args(), out=out).cpu()
 
 
 @pytest.mark.parametrize("mode", [BatchMode.DRAFT_BLOCK, BatchMode.PREFILL_CHUNK], ids=["draft", "prefill"])

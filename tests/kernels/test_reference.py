@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from ringkv.kernels import ring_attention_reference
-from ringkv.kernels.oracle import attention_by_position, masked_softmax_attention
+from ringkv.kernels.oracle import dense_history_attention, masked_softmax_attention
 
 from tests.testing import case_oracle_pair, make_ring_case, stable_seed
 
@@ -60,6 +60,7 @@ def test_unseen_keys_may_hold_nan():
     """Keys no query sees never reach the arithmetic: NaN there leaves the output finite."""
     k = torch.randn(6, 1, 8, dtype=torch.float64)
     k[:2] = float("nan")
-    out = attention_by_position(torch.randn(1, 2, 8, dtype=torch.float64), torch.tensor([5]), k, k.clone(),
-                                torch.arange(6), window=4, causal=True)  # fmt: skip
+    # one query at position 5 (its own row k[5]) over the history 0..4, of which it sees 2..4
+    out = dense_history_attention(torch.randn(1, 2, 8, dtype=torch.float64), k[5:], k[5:].clone(), [(0, k[:5], k[:5])],
+                                  torch.tensor([0, 1]), torch.tensor([6]), window=4, causal=True)  # fmt: skip
     assert torch.isfinite(out).all()

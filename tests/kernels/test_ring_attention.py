@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""ring_attention (Triton) against the reference: tolerance rule, NaN-poisoned pools, exact index cases."""
+"""ring_attention (Triton) on draft blocks against the reference: tolerance rule, NaN-poisoned pools, exact index
+cases."""
 
 from __future__ import annotations
 
@@ -11,10 +12,9 @@ from ringkv.kernels import (
     VarlenBatch,
     ring_attention,
     ring_attention_reference,
-    ring_prefill_attention,
     ring_write,
 )
-from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, first_visible_position
+from ringkv.kernels.ring_geometry import PAD_SLOT, UNBOUNDED_WINDOW, first_visible_position
 
 from tests.testing import (
     assert_attention_close,
@@ -173,7 +173,44 @@ def test_ring_reads_beyond_2_31_elements(kind, device):
                               mode=mode, table_period=plan.num_blocks)  # fmt: skip
     args = {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache, "batch": batch,
             "window": window, "causal": True}  # fmt: skip
-    out = ring_attention(**args) if kind == "draft" else ring_prefill_attention(**args, write_ring=False)
+    out = ring_attention(**args)
     ref_hi = ring_attention_reference(**args, compute_dtype=torch.float64)
     ref_lo = ring_attention_reference(**args, compute_dtype=torch.float16)
     assert_attention_close(out.cpu(), ref_hi.cpu(), ref_lo.cpu(), name=f"{kind} beyond 2^31 elements")
+
+
+@pytest.mark.parametrize("vllm_slots", [False, True], ids=["ring-rows", "vllm-slots-full-rows"])
+def test_draft_blocks_store_their_rows_after_reading(vllm_slots, device):
+    """``write_ring`` on draft blocks (vLLM: a target sliding layer's decode step, through vLLM's slot mapping over
+    full block rows): the output is the read-only launch's, and the pool afterwards is the reference's byte for
+    byte: each request's block rows at their slots, every other byte as it was."""
+    case = make_ring_case([(14, 8), (40, 5), (0, 3)], window=15, block_size=16, num_q_heads=4, num_kv_heads=2,
+                          head_dim=32, pad_tokens=2, full_rows=vllm_slots, seed=9).to(device)  # fmt: skip
+    real, bs = int(case.query_start_loc[-1]), case.k_cache.shape[1]
+    slots = []
+    for r, (context_len, seq_len) in enumerate(zip(case.context_lens, case.seq_lens.tolist(), strict=True)):
+        positions = torch.arange(context_len, seq_len, device=device)
+        if vllm_slots:  # vLLM's formula over the full logical row
+            slots.append(case.block_table[r, positions // bs].long() * bs + positions % bs)
+        else:
+            slots.append(case.plan.slot_mapping(positions, case.block_table[r], period=case.table_period,
+                                                seq_len=seq_len))  # fmt: skip
+    slots = torch.cat(slots)
+    options: dict[str, object] = {"write_ring": True}
+    if vllm_slots:
+        options["slot_mapping"] = torch.cat([slots, torch.full((case.q.shape[0] - real,), PAD_SLOT, device=device)])
+    read_only = ring_attention(**case.kernel_args())[:real].clone()
+    before = [cache.clone() for cache in (case.k_cache, case.v_cache)]
+    expected = [cache.clone() for cache in before]
+    ring_attention_reference(**{**case.kernel_args(), "k_cache": expected[0], "v_cache": expected[1]}, **options)
+    out = ring_attention(**case.kernel_args(), **options)
+    assert torch.equal(out[:real], read_only)
+    assert bool((slots >= 0).all()) and slots.numel() == real
+    for cache, ref, rows, saved in zip((case.k_cache, case.v_cache), expected, (case.k_new, case.v_new), before,
+                                       strict=True):  # fmt: skip
+        torch.testing.assert_close(cache, ref, atol=0, rtol=0, equal_nan=True)
+        flat, flat_saved = cache.flatten(0, 1), saved.flatten(0, 1)
+        torch.testing.assert_close(flat[slots], rows[:real], atol=0, rtol=0)
+        untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=device)
+        untouched[slots] = False
+        torch.testing.assert_close(flat[untouched], flat_saved[untouched], atol=0, rtol=0, equal_nan=True)

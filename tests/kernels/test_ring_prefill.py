@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""ring_prefill_attention (Triton): two-source chunk attention against the reference, and write-after-read
-through chunks that wrap the ring several times."""
+"""ring_attention (Triton) on prefill chunks: two-source chunk attention against the reference, and
+write-after-read (``write_ring``) through chunks that wrap the ring several times."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 import torch
-from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, ring_prefill_attention
+from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW
 
 from tests.testing import (
@@ -44,7 +44,7 @@ def test_ring_prefill_matches_reference(requests, window, bs, hq, hkv, d, dtype,
         causal=causal, lookahead=1, full_rows=full_rows, pad_tokens=3, seed=stable_seed(requests, window, causal),
         mode=BatchMode.PREFILL_CHUNK,
     )  # fmt: skip
-    assert_kernel_matches_reference(ring_prefill_attention, case, device, write_ring=False)
+    assert_kernel_matches_reference(ring_attention, case, device)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -69,9 +69,9 @@ def test_chunks_through_the_ring_then_decode_match_full_history(causal, device):
         seq_lens = torch.tensor([p + c for p, c in zip(context_lens, chunks, strict=True)], dtype=torch.int32)
         batch = VarlenBatch.build(starts.to(device), seq_lens.to(device), table, mode=BatchMode.PREFILL_CHUNK,
                                   table_period=plan.num_blocks)  # fmt: skip
-        out = ring_prefill_attention(
+        out = ring_attention(
             q.to(device), torch.cat(rows).to(device), torch.cat(vals).to(device), k_cache, v_cache, batch,
-            window=window, causal=causal,
+            window=window, causal=causal, write_ring=True,
         )  # fmt: skip
         for r in range(2):
             rows_r = slice(int(starts[r]), int(starts[r + 1]))
@@ -108,7 +108,7 @@ def test_vllm_slot_mapping_drops_dead_rows_and_duplicates(device):
     positions = torch.arange(100, device=device)
     # every position mapped through the ring without dropping dead ones: slots repeat every S positions
     slots = plan.slot_mapping(positions, case.block_table[0])
-    ring_prefill_attention(**case.kernel_args(), slot_mapping=slots)
+    ring_attention(**case.kernel_args(), write_ring=True, slot_mapping=slots)
     live = positions >= 100 - 15
     stored = case.k_cache.flatten(0, 1)[slots[live]]
     torch.testing.assert_close(stored, case.k_new[:100][live], atol=0, rtol=0)
@@ -119,7 +119,7 @@ def test_vllm_slot_mapping_drops_dead_rows_and_duplicates(device):
 def test_query_tiles_go_on_grid_x(monkeypatch, device):
     """Grid y and z stop at 65,535: a chunk of 2^21 queries (131,072 tiles of 16 queries at G 4) must put its
     query tiles on x. Checked on the grid the launcher computes, with the launch replaced by a recorder."""
-    module = importlib.import_module("ringkv.kernels.ring_prefill")
+    module = importlib.import_module("ringkv.kernels.ring_attention")
     launches = []
 
     class Recorder:
@@ -127,16 +127,16 @@ def test_query_tiles_go_on_grid_x(monkeypatch, device):
             launches.append(grid)
             return lambda *args, **kwargs: None
 
-    monkeypatch.setattr(module, "_ring_prefill_kernel", Recorder())
+    monkeypatch.setattr(module, "_ring_attention_kernel", Recorder())
     monkeypatch.setattr(module, "is_interpreter", lambda: False)  # the native tiles, not the interpreter's tall ones
     case = make_ring_case([(40, 8), (3, 5)], window=37, block_size=8, num_q_heads=8, num_kv_heads=2, head_dim=16,
                           lookahead=1, mode=BatchMode.PREFILL_CHUNK).to(device)  # fmt: skip
     batch = VarlenBatch(**{**case.batch().__dict__, "max_query_len": 1 << 21, "max_seq_len": (1 << 21) + 40})
-    ring_prefill_attention(**{**case.kernel_args(), "batch": batch}, write_ring=False)
+    ring_attention(**{**case.kernel_args(), "batch": batch})
     config = module.select_prefill_config(group_size=4, head_dim=16, head_dim_v=16, block_size=8)
     assert launches == [((1 << 21) // config.BLOCK_Q, 2, 2)] and launches[0][0] > module.MAX_GRID_YZ
     many = VarlenBatch(**{**batch.__dict__, "query_start_loc": torch.zeros(65_537, dtype=torch.int32),
                           "seq_lens": torch.ones(65_536, dtype=torch.int32),
                           "block_table": torch.zeros(65_536, 1, dtype=torch.int32), "table_period": None})  # fmt: skip
     with pytest.raises(ValueError, match="num_reqs=65536 exceed the grid's 65535"):
-        module.prefill_grid(many, 2, config)
+        module.attention_grid(many, 2, config.BLOCK_Q, 1)
