@@ -27,7 +27,8 @@ class EngineRunSpec:
     drafter_backend: str | None
     prompts: list[list[int]]
     max_tokens: int
-    num_speculative_tokens: int = 7
+    # speculative tokens N; None: the drafter's own draft block - 1 (its dflash_config block_size)
+    num_speculative_tokens: int | None = None
     max_model_len: int = 4096
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 4
@@ -61,6 +62,15 @@ def engine_environment(spec: EngineRunSpec) -> dict[str, str]:
     return env
 
 
+def speculative_tokens(spec: EngineRunSpec) -> int:
+    """N: the spec's, else the drafter's draft block - 1 (what the DFlash drafter was trained to fill)."""
+    if spec.num_speculative_tokens is not None:
+        return spec.num_speculative_tokens
+    from ringkv.dflash2.config import load_config
+
+    return load_config(spec.drafter).block_size - 1
+
+
 def engine_kwargs(spec: EngineRunSpec) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "model": spec.target, "skip_tokenizer_init": True, "dtype": spec.dtype, "max_model_len": spec.max_model_len,
@@ -71,7 +81,7 @@ def engine_kwargs(spec: EngineRunSpec) -> dict[str, Any]:
     }  # fmt: skip
     if spec.drafter_backend is not None:
         speculative: dict[str, Any] = {
-            "method": "dflash", "model": spec.drafter, "num_speculative_tokens": spec.num_speculative_tokens,
+            "method": "dflash", "model": spec.drafter, "num_speculative_tokens": speculative_tokens(spec),
         }  # fmt: skip
         if spec.drafter_backend == "ring":
             # the documented selection
