@@ -5,8 +5,7 @@ serving the tiny chain target and its partially-agreeing DFlash drafter (``engin
 in fp8 (``speculative_config.kv_cache_dtype``, the drafter's own cache dtype; the layer scales stay vLLM's 1.0),
 plus vLLM's stock drafter attention (CPU_ATTN) on the same fp8 cache. Reports acceptance per draft position.
 
-Usage: ``.venv/bin/python -m ringkv.bench.fp8_acceptance --out bench/results`` (about a minute per engine run on
-2 cores).
+Usage: ``.venv/bin/ringkv bench fp8-acceptance --out bench/results`` (about a minute per engine run on 2 cores).
 """
 
 from __future__ import annotations
@@ -89,7 +88,3 @@ def fp8_acceptance(
         per_position = " ".join(f"{a:.3f}" for a in row["acceptance_per_position"])
         typer.echo(f"{row['run']:>16}: acceptance {row['acceptance']:.4f}  per position {per_position}  "
                    f"drafts {row['drafts']}  tokens equal {row['tokens_equal_ring_auto']}")  # fmt: skip
-
-
-if __name__ == "__main__":
-    typer.run(fp8_acceptance)

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 from ringkv.bench.compile_report import compile_report
+from ringkv.bench.fp8_acceptance import fp8_acceptance
 
 app = typer.Typer(
     help="ringkv: a fixed ring of KV blocks for sliding-window speculative drafters.", no_args_is_help=True
@@ -411,6 +412,7 @@ def gpu_check(
 
 # the report's own options; it compiles natively (no interpreter) and imports the kernels only when it runs
 bench.command("compile-report")(compile_report)
+bench.command("fp8-acceptance")(fp8_acceptance)
 
 
 if __name__ == "__main__":
