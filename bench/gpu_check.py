@@ -83,8 +83,8 @@ def build_batch(shape: DrafterShape, num_reqs: int, block: int, context_len: int
         ring_write(k_ctx[r], v_ctx[r], k_cache, v_cache, slots, **scales)
     if scales:
         # what the ring holds, for the oracle: quantization error belongs to the input
-        k_ctx, v_ctx = (dequantize(quantize_fp8(x, scales["k_scale"], cache_dtype), scales["k_scale"], torch.float32)
-                        for x in (k_ctx, v_ctx))  # fmt: skip
+        k_ctx, v_ctx = (dequantize(quantize_fp8(x, scale, cache_dtype), scale, torch.float32)
+                        for x, scale in ((k_ctx, scales["k_scale"]), (v_ctx, scales["v_scale"])))  # fmt: skip
     tokens = num_reqs * block
     q = randn(tokens, shape.num_q_heads, shape.head_dim)
     k_new = randn(tokens, shape.num_kv_heads, shape.head_dim)
@@ -153,7 +153,7 @@ def vllm_unified_call(unified, args: dict, shape: DrafterShape, block: int, cont
     import torch
     import triton
     from ringkv.kernels import ring_write
-    from ringkv.kernels.ring_geometry import table_slot_mapping, varlen_positions
+    from ringkv.kernels.ring_geometry import ring_block, table_slot_mapping, varlen_positions
 
     batch, k_cache, v_cache = args["batch"], args["k_cache"], args["v_cache"]
     num_tokens = args["q"].shape[0]
@@ -161,7 +161,8 @@ def vllm_unified_call(unified, args: dict, shape: DrafterShape, block: int, cont
     slots = table_slot_mapping(positions, batch.block_table, block_size=shape.block_size, window=shape.window,
                                period=batch.period, request_index=request)  # fmt: skip
     ring_write(args["k_new"], args["v_new"], k_cache, v_cache, slots)
-    columns = torch.arange(triton.cdiv(context_len + block, shape.block_size), device=k_cache.device) % batch.period
+    columns = ring_block(torch.arange(triton.cdiv(context_len + block, shape.block_size), device=k_cache.device),
+                         batch.period)  # fmt: skip
     table = batch.block_table[:, columns].contiguous()
     out = torch.empty_like(args["q"])
 
@@ -284,6 +285,7 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, un
     import torch
     import triton
     from ringkv.kernels import ring_attention
+    from ringkv.kernels.kv_quant import FP8_KV_CACHE_DTYPES
     from ringkv.kernels.tolerance import attention_error
 
     dtype = torch.bfloat16
@@ -299,7 +301,7 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, un
         for kv, (block, num_reqs) in [(kv, point) for kv in ((None, "fp8_e4m3") if primary else (None,))
                                       for point in grid]:  # fmt: skip
             context_len = 262_136 if not smoke else 100
-            ring_itemsize = dtype.itemsize if kv is None else 1
+            ring_itemsize = dtype.itemsize if kv is None else FP8_KV_CACHE_DTYPES[kv].itemsize
             per_set = 2 * num_reqs * (shape.window - 1 + block) * shape.num_kv_heads * shape.head_dim * ring_itemsize
             num_sets = 1 if smoke else max(1, min(32, triton.cdiv(COLD_SETS_BYTES, per_set)))
             batches = [build_batch(shape, num_reqs, block, context_len, dtype, device, seed=s, kv_cache_dtype=kv)
@@ -456,7 +458,7 @@ def drafter_smoke(device, smoke: bool) -> dict:
     from ringkv.dflash2.harness.smoke import run_smoke
 
     result = run_smoke(context=262_144 if not smoke else 3000, steps=32 if not smoke else 2, device=str(device))
-    return {**asdict(result), "ok": result.error.ok}
+    return {**asdict(result), "ok": result.ok}
 
 
 def gpu_check(out: Path, smoke: bool, budget_s: float, skip_tests: bool, shapes: list[str],

@@ -32,7 +32,13 @@ import triton
 from ringkv.kernels import ring_attention
 from ringkv.kernels.backend_step import split_kv_cache, store_rows, vllm_batch
 from ringkv.kernels.oracle import oracle_pair
-from ringkv.kernels.ring_geometry import PAD_SLOT, UNBOUNDED_WINDOW, table_slot_mapping
+from ringkv.kernels.ring_geometry import (
+    PAD_SLOT,
+    UNBOUNDED_WINDOW,
+    first_visible_position,
+    ring_block,
+    table_slot_mapping,
+)
 from ringkv.kernels.shapes import DrafterShape
 from ringkv.kernels.tolerance import attention_error
 
@@ -102,9 +108,9 @@ def gathered_row(request: Request, shape: DrafterShape, width: int, context_len:
     """V2's gathered block-table row ``[width]``: ``ring[j mod R]`` for the columns the manager appended (context
     and lookahead), 0 past them and below the sliding-window gather's ``num_null``."""
     columns = torch.arange(width, device=request.ring.device)
-    num_null = max(request.step_start - (shape.window - 1), 0) // shape.block_size
+    num_null = first_visible_position(request.step_start, shape.window) // shape.block_size
     allocated = triton.cdiv(context_len + shape.lookahead, shape.block_size)
-    row = request.ring[columns % len(request.ring)]
+    row = request.ring[ring_block(columns, len(request.ring))]
     return torch.where((columns >= num_null) & (columns < allocated), row, torch.zeros_like(row))
 
 

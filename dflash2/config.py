@@ -60,6 +60,11 @@ class DFlashConfig:
     layers: tuple[LayerAttention, ...]
 
     @property
+    def num_speculative_tokens(self) -> int:
+        """The speculative tokens the drafter was trained to fill: its draft block - 1."""
+        return self.block_size - 1
+
+    @property
     def is_dflash2(self) -> bool:
         """DFlash2 adds the block-local grouped convolution around attention and MLP."""
         return self.conv_kernel_size is not None

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Small helpers shared by the Triton launchers: interpreter detection, SM count."""
+"""Small helpers shared by the Triton launchers: interpreter detection, the debug-checks switch, SM count."""
 
 from __future__ import annotations
 
@@ -12,6 +12,11 @@ import torch
 def is_interpreter() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def debug_checks_enabled() -> bool:
+    """``RINGKV_DEBUG_CHECKS=1`` adds input checks that synchronise with the device."""
+    return os.environ.get("RINGKV_DEBUG_CHECKS") == "1"
 
 
 @functools.cache

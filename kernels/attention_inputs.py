@@ -5,12 +5,12 @@ raised before any launch."""
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 
+from ._triton_utils import debug_checks_enabled, is_interpreter
 from .kv_quant import FP8_DTYPES, check_scale
 from .ring_geometry import UNBOUNDED_WINDOW, ring_blocks_needed
 from .varlen import INDEX_DTYPES, BatchMode, VarlenBatch
@@ -58,17 +58,13 @@ class AttentionInputs:
     cache: RingCache
 
 
-def debug_checks_enabled() -> bool:
-    """``RINGKV_DEBUG_CHECKS=1`` adds metadata range checks that synchronise with the device."""
-    return os.environ.get("RINGKV_DEBUG_CHECKS") == "1"
-
-
 def _check_rank(name: str, tensor: torch.Tensor, rank: int, layout: str) -> None:
     if tensor.dim() != rank:
         raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {rank} dims {layout}")
 
 
-def _check_inner_contiguous(name: str, tensor: torch.Tensor) -> None:
+def check_inner_contiguous(name: str, tensor: torch.Tensor) -> None:
+    """The head dim must be contiguous (stride 1)."""
     if tensor.numel() > 0 and tensor.stride(-1) != 1:
         raise ValueError(f"{name} has last-dim stride {tensor.stride(-1)}; the head dim must be contiguous")
 
@@ -80,7 +76,7 @@ def check_same_device(named: dict[str, torch.Tensor]) -> torch.device:
     for name, device in devices.items():
         if device != first:
             raise ValueError(f"{name} is on {device} but {next(iter(devices))} is on {first}; move all to one device")
-    if first.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if first.type != "cuda" and not is_interpreter():
         raise ValueError(f"tensors are on {first}; the Triton kernels need CUDA (or TRITON_INTERPRET=1 on CPU)")
     return first
 
@@ -96,8 +92,8 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads:
             f"cache views {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match num_kv_heads={num_kv_heads}, "
             f"head_dim={head_dim}, head_dim_v={head_dim_v}; pass [num_blocks, block_size, Hkv, D] views"
         )
-    _check_inner_contiguous("k_cache", k_cache)
-    _check_inner_contiguous("v_cache", v_cache)
+    check_inner_contiguous("k_cache", k_cache)
+    check_inner_contiguous("v_cache", v_cache)
     check_kv_alignment("k_cache", k_cache)
     check_kv_alignment("v_cache", v_cache)
 
@@ -192,7 +188,7 @@ def validate_attention_inputs(
         if not 1 <= dim <= MAX_HEAD_DIM:
             raise ValueError(f"{name}={dim} is not supported; ring_attention handles 1..{MAX_HEAD_DIM}")
     for name, tensor in (("q", q), ("k_new", k_new), ("v_new", v_new)):
-        _check_inner_contiguous(name, tensor)
+        check_inner_contiguous(name, tensor)
     cache = check_ring_cache(cache, dtype=q.dtype, num_kv_heads=num_kv_heads, head_dim=head_dim,
                              head_dim_v=head_dim_v)  # fmt: skip
     k_cache = cache.k_cache
@@ -233,7 +229,7 @@ def validate_attention_inputs(
             f"out is {tuple(out.shape)} {out.dtype} on {out.device}; expected {out_shape} {q.dtype} on {q.device}"
         )
     else:
-        _check_inner_contiguous("out", out)
+        check_inner_contiguous("out", out)
     if debug_checks_enabled():
         check_metadata_ranges(batch, num_tokens, k_cache.shape[0])
     return AttentionInputs(group_size=num_q_heads // num_kv_heads, scale=scale, out=out, cache=cache)

@@ -17,6 +17,11 @@ MAX_SPLITS = 16
 MIN_DOT_DIM = 16
 
 
+def dot_dim(size: int) -> int:
+    """A tile dimension (head dim, query rows) padded for ``tl.dot``: a power of two, at least ``MIN_DOT_DIM``."""
+    return max(MIN_DOT_DIM, triton.next_power_of_2(size))
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """Launch shape of ``ring_attention``: every field is a kernel constexpr, so one config = one compiled kernel.
@@ -58,8 +63,8 @@ def select_attention_config(
         BLOCK_M=block_m,
         TILE_N=tile_n,
         TILE_C=tile_n,
-        BLOCK_D=max(MIN_DOT_DIM, triton.next_power_of_2(head_dim)),
-        BLOCK_DV=max(MIN_DOT_DIM, triton.next_power_of_2(head_dim_v)),
+        BLOCK_D=dot_dim(head_dim),
+        BLOCK_DV=dot_dim(head_dim_v),
         num_warps=4,
         # three K/V tiles in flight per program: at the DFlash2 shape also the fewest registers (sm_90 128,
         # sm_100 128; two stages: 118 / 158), so 4 CTAs per SM on both (bench/README.md). An fp8 ring converts
@@ -126,14 +131,14 @@ def select_prefill_config(
     ``INTERPRETED_PREFILL_TILE_C`` chunk keys per step for chunks of ``INTERPRETED_LONG_CHUNK`` queries or more)."""
     tall = interpreted and max_query_len >= INTERPRETED_LONG_CHUNK
     block_q = max(1, (INTERPRETED_PREFILL_BLOCK_M if tall else PREFILL_BLOCK_M) // group_size)
-    block_d = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
-    block_dv = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim_v))
+    block_d = dot_dim(head_dim)
+    block_dv = dot_dim(head_dim_v)
     # head_dim 256: a 64 x 256 fp32 accumulator is 128 registers a thread at 4 warps (spills with 32-key tiles);
     # 8 warps split it over two warp groups (sm_90: 177 registers, no spills; bench/README.md)
     wide = max(block_d, block_dv) > 128
     return AttentionConfig(
         BLOCK_Q=block_q,
-        BLOCK_M=max(MIN_DOT_DIM, triton.next_power_of_2(block_q * group_size)),
+        BLOCK_M=dot_dim(block_q * group_size),
         TILE_N=ring_tile_keys(block_size),
         TILE_C=INTERPRETED_PREFILL_TILE_C if tall else 32 if wide else 64,
         BLOCK_D=block_d,

@@ -11,11 +11,12 @@ NaN stays NaN. The block's own K/V never pass through fp8.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ._triton_utils import debug_checks_enabled
 
 # vLLM ``CacheDType`` names the ring kernels store as fp8; vLLM allocates the cache as uint8 and views it
 FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
@@ -25,9 +26,9 @@ FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
 }
 # the names that keep the cache in the model's dtype ("auto") or in a named 16-bit dtype
 UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # (exponent bias, mantissa bits) per fp8 type: the constexprs of quantize_fp8_bits
 FP8_FORMATS: dict[torch.dtype, tuple[int, int]] = {torch.float8_e4m3fn: (7, 3), torch.float8_e5m2: (15, 2)}
+FP8_DTYPES = tuple(FP8_FORMATS)
 
 
 def fp8_dtype_of(kv_cache_dtype: str) -> torch.dtype | None:
@@ -56,7 +57,7 @@ def check_scale(name: str, scale: object, device: torch.device) -> torch.Tensor:
         raise ValueError(f"{name}={scale!r} must be a one-element float tensor (vLLM: layer._{name}, fp32)")
     if scale.device != device:
         raise ValueError(f"{name} is on {scale.device} but the cache is on {device}; move it to the cache's device")
-    if scale.device.type == "cpu" or os.environ.get("RINGKV_DEBUG_CHECKS") == "1":
+    if scale.device.type == "cpu" or debug_checks_enabled():
         value = float(scale.reshape(()))
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"{name}={value} must be finite and > 0 (fp8 stores x / {name}, loads fp8 * {name})")

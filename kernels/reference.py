@@ -12,14 +12,13 @@ import torch
 
 from .kv_quant import FP8_DTYPES, dequantize, quantize_fp8
 from .oracle import dense_history_attention
-from .ring_geometry import batch_live_slots, first_visible_position, table_slot_mapping
+from .ring_geometry import batch_live_slots, first_visible_position, slot_coordinates, table_slot_mapping
 from .varlen import VarlenBatch
 
 
 def gather_ring(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rows of a ``[num_blocks, bs, H, D]`` cache view at flat ``slots`` ([n]) -> ``[n, H, D]``."""
-    block_size = cache.shape[1]
-    return cache[torch.div(slots, block_size, rounding_mode="floor"), torch.remainder(slots, block_size)]
+    return cache[slot_coordinates(slots, cache.shape[1])]
 
 
 def ring_attention_reference(
@@ -37,8 +36,9 @@ def ring_attention_reference(
     v_scale: torch.Tensor | None = None,
     write_ring: bool = False,
     slot_mapping: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
     compute_dtype: torch.dtype = torch.float32,
-    **_launch_options: object,
 ) -> torch.Tensor:
     """Attention of a varlen batch (draft blocks or prefill chunks) over ring context plus its own K/V; with
     ``write_ring``, then its live rows stored in the ring (``ring_geometry.batch_live_slots``).
@@ -56,7 +56,8 @@ def ring_attention_reference(
         window: W. causal: causality among the batch's own keys. scale: default ``D ** -0.5``.
         write_ring, slot_mapping: as ``ring_attention``.
         compute_dtype: float64, float32, or the kernel's own dtype (``ref_lo`` of the tolerance rule).
-        _launch_options: launch-only options (``out``, ``num_splits``), which do not change the result.
+        out, num_splits: the launcher's, accepted so one argument dict serves both; they do not change the result
+            (the reference always returns a new tensor).
 
     Returns:
         [T, Hq, Dv] in ``q.dtype``.
@@ -105,9 +106,7 @@ def ring_write_reference(
     slots = slot_mapping[keep].to(torch.int64)
     if torch.unique(slots).numel() != slots.numel():
         raise ValueError("slot_mapping writes one slot twice; drop dead positions (RingPlan.slot_mapping)")
-    block_size = k_cache.shape[1]
-    blocks = torch.div(slots, block_size, rounding_mode="floor")
-    offsets = torch.remainder(slots, block_size)
+    blocks, offsets = slot_coordinates(slots, k_cache.shape[1])
     for rows, cache, scale in ((k[keep], k_cache, k_scale), (v[keep], v_cache, v_scale)):
         fp8 = cache.dtype in FP8_DTYPES
         cache[blocks, offsets] = quantize_fp8(rows, scale, cache.dtype) if fp8 else rows.to(cache.dtype)

@@ -45,7 +45,7 @@ from .configs import (
     select_prefill_config,
 )
 from .ring_geometry import batch_live_slots
-from .ring_write import ring_write
+from .ring_write import launch_ring_write
 from .varlen import BatchMode, VarlenBatch
 
 LOG2E = 1.4426950408889634
@@ -333,7 +333,7 @@ def ring_attention(
             batch.query_start_loc, batch.seq_lens, batch.block_table, num_tokens, block_size=k_cache.shape[1],
             window=window, period=batch.period, slot_mapping=slot_mapping,
         )  # fmt: skip
-        ring_write(k_new, v_new, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
+        launch_ring_write(k_new, v_new, inputs.cache, slots)
     return inputs.out
 
 

@@ -61,9 +61,15 @@ def ring_blocks_needed(window: int, block_size: int, lookahead: int) -> int:
     return triton.cdiv(window + lookahead - 2, block_size) + 1
 
 
+def ring_block(logical_block: torch.Tensor | int, period: int) -> torch.Tensor | int:
+    """Ring column of logical block ``j`` (a compact row's column; in vLLM's full logical row, the ring block that
+    column ``j`` holds): ``j mod period``."""
+    return logical_block % period
+
+
 def ring_column(position: torch.Tensor, block_size: int, period: int) -> torch.Tensor:
     """Block-table column holding ``position``: ``(position // bs) mod period``."""
-    return torch.remainder(torch.div(position, block_size, rounding_mode="floor"), period)
+    return ring_block(torch.div(position, block_size, rounding_mode="floor"), period)
 
 
 def first_visible_position(query_position: torch.Tensor | int, window: int) -> torch.Tensor | int:
@@ -173,6 +179,11 @@ class RingPlan:
         )  # fmt: skip
 
 
+def slot_coordinates(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat slots (``block_id * bs + offset``, >= 0) -> (block ids, in-block offsets)."""
+    return torch.div(slots, block_size, rounding_mode="floor"), torch.remainder(slots, block_size)
+
+
 def written(positions: torch.Tensor, seq_len: torch.Tensor | int, window: int) -> torch.Tensor:
     """Which rows of a write batch ending at ``seq_len`` (exclusive) are stored: ``p >= 0`` and not dead,
     i.e. ``p >= seq_len - (W - 1)`` (a later query may still see them)."""
@@ -228,15 +239,6 @@ def varlen_positions(
     return request, torch.where(inside, positions, torch.full_like(positions, -1)), ends
 
 
-def live_write_slots(
-    slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, window: int
-) -> torch.Tensor:
-    """Where a varlen batch's rows go after attending: vLLM's ``slot_mapping`` with the rows ``written`` rejects
-    (dead positions) and all but the last writer of each slot PAD. No host sync."""
-    _, positions, ends = varlen_positions(query_start_loc, seq_lens, num_tokens)
-    return last_writer_slots(pad_unwritten(slot_mapping[:num_tokens], positions, ends, window))
-
-
 def batch_live_slots(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -251,13 +253,15 @@ def batch_live_slots(
     """Where a varlen batch's rows are stored after its attention (write-after-read): vLLM's ``slot_mapping`` when
     given, else the ring slots of ``block_table`` (``table_slot_mapping``); positions before
     ``seq_lens[r] - (W - 1)`` and all but the last writer of each slot PAD. No host sync."""
-    if slot_mapping is not None:
-        return live_write_slots(slot_mapping, query_start_loc, seq_lens, num_tokens, window)
     request, positions, ends = varlen_positions(query_start_loc, seq_lens, num_tokens)
-    return last_writer_slots(table_slot_mapping(
-        positions, block_table, block_size=block_size, window=window, period=period, request_index=request,
-        seq_len=ends,
-    ))  # fmt: skip
+    if slot_mapping is not None:
+        slots = pad_unwritten(slot_mapping[:num_tokens], positions, ends, window)
+    else:
+        slots = table_slot_mapping(
+            positions, block_table, block_size=block_size, window=window, period=period, request_index=request,
+            seq_len=ends,
+        )  # fmt: skip
+    return last_writer_slots(slots)
 
 
 def last_writer_slots(slot_mapping: torch.Tensor) -> torch.Tensor:

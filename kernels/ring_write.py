@@ -10,7 +10,14 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import is_interpreter
-from .attention_inputs import SUPPORTED_DTYPES, RingCache, check_ring_cache, check_same_device, check_slot_mapping
+from .attention_inputs import (
+    SUPPORTED_DTYPES,
+    RingCache,
+    check_inner_contiguous,
+    check_ring_cache,
+    check_same_device,
+    check_slot_mapping,
+)
 from .configs import select_write_config
 from .kv_quant import FP8_FORMATS, quantize_fp8_bits
 
@@ -128,12 +135,18 @@ def ring_write(
     cache = check_ring_cache(RingCache(k_cache, v_cache, k_scale, v_scale), dtype=k.dtype, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, head_dim_v=v.shape[2])  # fmt: skip
     check_slot_mapping(slot_mapping, num_tokens)
-    for name, tensor in (("k", k), ("v", v)):
-        if tensor.numel() and tensor.stride(-1) != 1:
-            raise ValueError(f"{name} has last-dim stride {tensor.stride(-1)}; the head dim must be contiguous")
+    check_inner_contiguous("k", k)
+    check_inner_contiguous("v", v)
     check_same_device({"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping})
+    launch_ring_write(k, v, cache, slot_mapping)
+
+
+def launch_ring_write(k: torch.Tensor, v: torch.Tensor, cache: RingCache, slot_mapping: torch.Tensor) -> None:
+    """The write kernel on inputs ``ring_write`` (or ``ring_attention``'s validation) has already checked."""
+    num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
+    k_cache = cache.k_cache
     config = select_write_config(
         num_kv_heads=num_kv_heads, head_dim=max(head_dim, v.shape[2]), interpreted=is_interpreter()
     )

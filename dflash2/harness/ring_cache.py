@@ -59,7 +59,6 @@ class DraftKVCache:
         self.config, self.mode, self.attention = config, mode, attention
         self.num_requests, self.device, self.dtype = num_requests, torch.device(device), dtype
         self.scale = config.head_dim**-0.5
-        self.kv_cache_dtype = kv_cache_dtype
         self.scales = {} if fp8 is None else {
             name: torch.full((1,), value, dtype=torch.float32, device=self.device)
             for name, value in (("k_scale", k_scale), ("v_scale", v_scale))}  # fmt: skip

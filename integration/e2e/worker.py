@@ -68,7 +68,7 @@ def speculative_tokens(spec: EngineRunSpec) -> int:
         return spec.num_speculative_tokens
     from ringkv.dflash2.config import load_config
 
-    return load_config(spec.drafter).block_size - 1
+    return load_config(spec.drafter).num_speculative_tokens
 
 
 def engine_kwargs(spec: EngineRunSpec) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from ringkv.kernels import ring_attention
-from ringkv.kernels.backend_step import split_kv_cache, store_rows, vllm_batch
+from ringkv.kernels.backend_step import split_kv_cache, store_rows
 from ringkv.kernels.kv_quant import fp8_dtype_of
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW
 
@@ -102,10 +102,9 @@ class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
         q = query[:n].view(n, self.num_heads, self.head_size)
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, -1)
-        batch = vllm_batch(md.query_start_loc, md.seq_lens, md.block_table, md.max_query_len, md.max_seq_len)
         # write-after-read: the chunk's first queries need the history its rows may replace
         ring_attention(
-            q, k, v, k_cache, v_cache, batch, window=self.window, causal=md.causal, scale=self.scale,
+            q, k, v, k_cache, v_cache, md.batch, window=self.window, causal=md.causal, scale=self.scale,
             out=output[:n].view(n, self.num_heads, -1), write_ring=md.persist_new_rows,
             slot_mapping=md.slot_mapping if md.persist_new_rows else None, **scales,
         )  # fmt: skip

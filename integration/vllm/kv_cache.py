@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import triton
-from ringkv.kernels.ring_geometry import RingPlan, first_visible_position
+from ringkv.kernels.ring_geometry import RingPlan, first_visible_position, ring_block
 
 from ._compat import KVCacheBlock, SlidingWindowManager, SlidingWindowSpec, VllmConfig, replace_as
 from .planning import UNPLANNED, RingConfigError
@@ -156,7 +156,7 @@ class RingSWAManager(SlidingWindowManager):
         row = self.req_to_blocks[request_id]
         first_live = self.first_live_block(num_tokens_main_model)
         new_entries = [
-            self._null_block if j < first_live else ring[j % self.ring_blocks]
+            self._null_block if j < first_live else ring[ring_block(j, self.ring_blocks)]
             for j in range(len(row), triton.cdiv(num_tokens, self.block_size))
         ]
         row.extend(new_entries)

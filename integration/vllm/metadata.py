@@ -8,10 +8,13 @@ captured CUDA graph reads the addresses vLLM's persistent buffers give it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from ringkv.kernels.backend_step import vllm_batch
+from ringkv.kernels.varlen import VarlenBatch
 
 from ._compat import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata, is_draft_spec
 from .host_sync import forbid_during_capture
@@ -32,6 +35,12 @@ class RingAttentionMetadata:
     causal: bool
     # store this step's new rows after attending (target layers); never for a drafter's blocks
     persist_new_rows: bool
+
+    @functools.cached_property
+    def batch(self) -> VarlenBatch:
+        """The step's varlen batch for ``ring_attention``: built and validated once, shared by every layer of the
+        KV-cache group (they share this metadata)."""
+        return vllm_batch(self.query_start_loc, self.seq_lens, self.block_table, self.max_query_len, self.max_seq_len)
 
 
 def resolve_causal(causal: bool | torch.Tensor) -> bool:

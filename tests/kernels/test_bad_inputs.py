@@ -58,6 +58,8 @@ BAD_ATTENTION = [
      "slot_mapping was given with write_ring=False"),
     ("slots-short", lambda a: _replace(a, write_ring=True, slot_mapping=torch.zeros(3, dtype=torch.int64)),
      "slot_mapping is torch.int64 (3,); expected int32/int64 [>= 10]"),
+    ("slots-list", lambda a: _replace(a, write_ring=True, slot_mapping=list(range(10))),
+     "slot_mapping is list; expected int32/int64 [>= 10]"),
     ("batch-not-varlen", lambda a: _replace(a, batch=a["batch"].__dict__), "build one with VarlenBatch.build"),
 ]  # fmt: skip
 
@@ -156,6 +158,7 @@ def _write_args():
 BAD_WRITE = [
     ("slots-float", {"slot_mapping": torch.arange(4).float()}, "slot_mapping is torch.float32"),
     ("slots-short", {"slot_mapping": torch.arange(2)}, r"expected int32/int64 \[>= 4\]"),
+    ("slots-list", {"slot_mapping": [0, 1, 2, 3]}, "slot_mapping is list; expected int32/int64"),
     ("k-fp16", {"k": torch.randn(4, 2, 16).half()}, "k/v dtypes torch.float16/torch.float32 must be one of"),
     (
         "rows-fp16",

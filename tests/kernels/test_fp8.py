@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, ring_write
+from ringkv.kernels.attention_inputs import KV_STRIDE_ELEMENTS
 from ringkv.kernels.kv_quant import FP8_KV_CACHE_DTYPES, dequantize, fp8_dtype_of, quantize_fp8
-from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW
+from ringkv.kernels.ring_geometry import PAD_SLOT, UNBOUNDED_WINDOW
 
 from tests.testing import (
     NAN,
@@ -29,9 +31,9 @@ NAN_BYTES = {E4M3: (0x7F, 0xFF), E5M2: (0x7F, 0xFE)}
 
 
 def poisoned_fp8_layer(num_blocks: int, block_size: int, heads: int, head_dim: int, fp8: torch.dtype):
-    """vLLM's fp8 layer cache: uint8 storage ``[num_blocks, 2, bs, H, D']`` (D' = D rounded up to 16) full of
-    the fp8 NaN bytes (random sign)."""
-    padded = -(-head_dim // 16) * 16
+    """vLLM's fp8 layer cache: uint8 storage ``[num_blocks, 2, bs, H, D']`` (D' = D rounded up to
+    ``KV_STRIDE_ELEMENTS``) full of the fp8 NaN bytes (random sign)."""
+    padded = triton.cdiv(head_dim, KV_STRIDE_ELEMENTS) * KV_STRIDE_ELEMENTS
     pattern = torch.tensor(NAN_BYTES[fp8], dtype=torch.uint8)
     generator = torch.Generator().manual_seed(1)
     return pattern[torch.randint(0, 2, (num_blocks, 2, block_size, heads, padded), generator=generator)]
@@ -55,7 +57,7 @@ def test_ring_write_stores_reference_bytes(fp8, dtype, device):
     ring = torch.randperm(num_blocks, generator=generator)[: plan.num_blocks]
     positions = torch.arange(0, 60)  # ends at 60: positions < 40 are dead (W - 1 = 20 live)
     slots = plan.slot_mapping(positions, ring, seq_len=60)
-    slots[45] = -1  # an explicit PAD among the live rows
+    slots[45] = PAD_SLOT  # an explicit PAD among the live rows
     k_scale, v_scale = torch.tensor([0.37]), torch.tensor([2.5])
     limit = torch.finfo(fp8).max
     # magnitudes over the whole fp8 range, the exact midpoints between fp8 values (ties), and rows beyond the
@@ -184,6 +186,7 @@ BAD_FP8 = [
     ("k_scale-inf", {"k_scale": torch.tensor([float("inf")])}, r"k_scale=inf must be finite"),
     ("k_scale-float", {"k_scale": 0.5}, r"k_scale=0.5 must be a one-element float tensor"),
     ("k_scale-two", {"k_scale": torch.ones(2)}, "must be a one-element float tensor"),
+    ("k_scale-other-device", {"k_scale": torch.ones(1, device="meta")}, "k_scale is on meta but the cache is on cpu"),
     ("mixed-fp8", {"v_cache": E5M2}, "k_cache is torch.float8_e4m3fn but v_cache is torch.float8_e5m2"),
     ("int8-cache", {"k_cache": torch.int8, "v_cache": torch.int8}, "k_cache/v_cache have dtypes torch.int8/torch.int8"),
     ("scales-on-bf16", {"k_cache": torch.bfloat16, "v_cache": torch.bfloat16}, "scales apply to fp8 caches only"),

@@ -14,6 +14,7 @@ from ringkv.kernels import (
     ring_attention_reference,
     ring_write,
 )
+from ringkv.kernels.kv_quant import quantize_fp8
 from ringkv.kernels.ring_geometry import PAD_SLOT, UNBOUNDED_WINDOW, first_visible_position
 
 from tests.testing import (
@@ -179,23 +180,42 @@ def test_ring_reads_beyond_2_31_elements(kind, device):
     assert_attention_close(out.cpu(), ref_hi.cpu(), ref_lo.cpu(), name=f"{kind} beyond 2^31 elements")
 
 
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns (NaN and fp8 included)."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(a.view(bits), b.view(bits))
+
+
+# (requests [(P, B)], W, bs, Hq, Hkv, D, dtype, fp8 ring)
+DRAFT_WRITES = [
+    pytest.param([(14, 8), (40, 5), (0, 3)], 15, 16, 4, 2, 32, torch.float32, None, id="W15-fp32"),
+    pytest.param([(13, 7), (29, 8), (0, 3)], 5, 8, 6, 2, 24, torch.float16, None, id="W5-dead-rows-gqa3-D24-fp16"),
+    pytest.param([(21, 6), (3, 8)], 11, 8, 3, 1, 40, torch.bfloat16, torch.float8_e4m3fn, id="W11-D40-e4m3-bf16"),
+]
+
+
 @pytest.mark.parametrize("vllm_slots", [False, True], ids=["ring-rows", "vllm-slots-full-rows"])
-def test_draft_blocks_store_their_rows_after_reading(vllm_slots, device):
+@pytest.mark.parametrize(("requests", "window", "bs", "hq", "hkv", "d", "dtype", "fp8"), DRAFT_WRITES)
+def test_draft_blocks_store_their_rows_after_reading(requests, window, bs, hq, hkv, d, dtype, fp8, vllm_slots, device):
     """``write_ring`` on draft blocks (vLLM: a target sliding layer's decode step, through vLLM's slot mapping over
     full block rows): the output is the read-only launch's, and the pool afterwards is the reference's byte for
-    byte: each request's block rows at their slots, every other byte as it was."""
-    case = make_ring_case([(14, 8), (40, 5), (0, 3)], window=15, block_size=16, num_q_heads=4, num_kv_heads=2,
-                          head_dim=32, pad_tokens=2, full_rows=vllm_slots, seed=9).to(device)  # fmt: skip
-    real, bs = int(case.query_start_loc[-1]), case.k_cache.shape[1]
-    slots = []
+    byte: each request's live block rows (``p >= seq_len - (W - 1)``) at their slots, fp8-quantized for an fp8
+    ring, dead rows nowhere, every other byte (NaN poison included) as it was."""
+    case = make_ring_case(requests, window=window, block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                          dtype=dtype, pad_tokens=2, full_rows=vllm_slots, kv_dtype=fp8,
+                          seed=stable_seed(requests, window, d, vllm_slots)).to(device)  # fmt: skip
+    real = int(case.query_start_loc[-1])
+    slots, live = [], []
     for r, (context_len, seq_len) in enumerate(zip(case.context_lens, case.seq_lens.tolist(), strict=True)):
         positions = torch.arange(context_len, seq_len, device=device)
-        if vllm_slots:  # vLLM's formula over the full logical row
+        live.append(positions >= seq_len - (window - 1))
+        if vllm_slots:  # vLLM's formula over the full logical row, dead rows included (the launcher drops them)
             slots.append(case.block_table[r, positions // bs].long() * bs + positions % bs)
         else:
             slots.append(case.plan.slot_mapping(positions, case.block_table[r], period=case.table_period,
                                                 seq_len=seq_len))  # fmt: skip
-    slots = torch.cat(slots)
+    slots, live = torch.cat(slots), torch.cat(live)
+    assert bool((~live).any()) == any(b > window - 1 for _, b in requests)
     options: dict[str, object] = {"write_ring": True}
     if vllm_slots:
         options["slot_mapping"] = torch.cat([slots, torch.full((case.q.shape[0] - real,), PAD_SLOT, device=device)])
@@ -205,12 +225,14 @@ def test_draft_blocks_store_their_rows_after_reading(vllm_slots, device):
     ring_attention_reference(**{**case.kernel_args(), "k_cache": expected[0], "v_cache": expected[1]}, **options)
     out = ring_attention(**case.kernel_args(), **options)
     assert torch.equal(out[:real], read_only)
-    assert bool((slots >= 0).all()) and slots.numel() == real
-    for cache, ref, rows, saved in zip((case.k_cache, case.v_cache), expected, (case.k_new, case.v_new), before,
-                                       strict=True):  # fmt: skip
-        torch.testing.assert_close(cache, ref, atol=0, rtol=0, equal_nan=True)
+    for cache, ref, rows, saved, scale in zip(
+        (case.k_cache, case.v_cache), expected, (case.k_new, case.v_new), before, (case.k_scale, case.v_scale),
+        strict=True,
+    ):  # fmt: skip
+        assert same_bytes(cache, ref), "the pool differs from the reference's after the write"
         flat, flat_saved = cache.flatten(0, 1), saved.flatten(0, 1)
-        torch.testing.assert_close(flat[slots], rows[:real], atol=0, rtol=0)
+        stored = rows[:real][live] if fp8 is None else quantize_fp8(rows[:real][live], scale, fp8)
+        assert same_bytes(flat[slots[live]], stored), "a live row is not at its slot"
         untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=device)
-        untouched[slots] = False
-        torch.testing.assert_close(flat[untouched], flat_saved[untouched], atol=0, rtol=0, equal_nan=True)
+        untouched[slots[live]] = False
+        assert same_bytes(flat[untouched], flat_saved[untouched]), "a write touched a slot no live row maps to"

@@ -140,3 +140,5 @@ def test_query_tiles_go_on_grid_x(monkeypatch, device):
                           "block_table": torch.zeros(65_536, 1, dtype=torch.int32), "table_period": None})  # fmt: skip
     with pytest.raises(ValueError, match="num_reqs=65536 exceed the grid's 65535"):
         module.attention_grid(many, 2, config.BLOCK_Q, 1)
+    with pytest.raises(ValueError, match="num_kv_heads=65536 / num_reqs=2 exceed the grid's 65535"):
+        module.attention_grid(batch, 65_536, config.BLOCK_Q, 1)
