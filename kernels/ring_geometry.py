@@ -79,6 +79,18 @@ def first_visible_position(query_position: torch.Tensor | int, window: int) -> t
     return torch.clamp(query_position - (window - 1), min=0)
 
 
+def longest_rebuilding_prefix_hit(num_tokens: int, window: int) -> int:
+    """The longest prefix-cache hit (tokens) after which a ring is rebuilt by recomputing the rest.
+
+    A ring keeps no K/V across requests, so after a hit of ``h`` tokens it holds only what the recompute of
+    ``h .. num_tokens - 1`` writes. The first query the ring then serves sits at ``num_tokens`` (a drafter's
+    first draft position: the target's last computed position + 1; later queries only move right), and sees
+    keys from ``first_visible_position(num_tokens)``: every one of them must be recomputed, so
+    ``h <= num_tokens - (W - 1)``. vLLM aligns the hit down to its block from there.
+    """
+    return first_visible_position(num_tokens, window)
+
+
 def visible(query_position: torch.Tensor, key_position: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
     """The attention contract: ``q - k < W``, ``k >= 0``, plus ``k <= q`` (causal) or ``k - q < W``."""
     seen = (query_position - key_position < window) & (key_position >= 0)

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """ringkv's vLLM plugin. ``register()`` is the ``vllm.general_plugins`` entry point (it runs in every vLLM
-process): the ring KV spec and manager, the ring attention backend as ``CUSTOM`` and ``RINGKV``, and the
-ordering fix for Model Runner V2's DFlash context store (``speculator.py``)."""
+process): the ring KV spec and manager, the ring attention backend as ``CUSTOM`` and ``RINGKV``, the prefix-hit
+cap that keeps prefix caching exact with rings (``prefix_cache.py``), and the ordering fix for Model Runner V2's
+DFlash context store (``speculator.py``)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def register() -> None:
     )
     from .kv_cache import RingSWAManager, RingSWASpec
     from .planning import collect_specs_in_config_scope
+    from .prefix_cache import cap_prefix_hits_at_ring_windows
     from .selection import honour_attention_backend_env, route_ring_selection_on_cpu
     from .speculator import keep_last_writers_across_split_writes
 
@@ -37,6 +39,7 @@ def register() -> None:
     honour_attention_backend_env(os.environ.get("VLLM_ATTENTION_BACKEND"))
     route_ring_selection_on_cpu(BACKEND_PATH)
     collect_specs_in_config_scope()
+    cap_prefix_hits_at_ring_windows()
     keep_last_writers_across_split_writes()
     if os.environ.get("RINGKV_CPU_SLIDING_RING") == "1":
         from .cpu_sliding import enable_cpu_sliding_ring

@@ -117,6 +117,15 @@ def kv_spec_collectors() -> list[tuple[type, str]]:
     return [(Worker, "get_kv_cache_spec")]
 
 
+def hybrid_coordinator_class() -> type:
+    """vLLM's ``HybridKVCacheCoordinator``: ``find_longest_cache_hit(block_hashes, max_cache_hit_length)``, asked by
+    ``KVCacheManager.get_computed_blocks`` with ``request.num_tokens - 1``; groups whose spec is not
+    ``prefix_cacheable`` take no part in the lookup (0.32 to 0.34)."""
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+
+    return HybridKVCacheCoordinator
+
+
 def dflash_speculator_class() -> type:
     """Model Runner V2's ``DFlashSpeculator`` (``DFlash2Speculator`` subclasses it), whose context K/V store
     (``_precompute_context_kv``, ``_context_slot_mappings``, ``draft_kv_cache_group_ids``, ``kv_cache_config``)
@@ -182,6 +191,7 @@ __all__ = [
     "ensure_builtin_kv_specs",
     "get_current_vllm_config_or_none",
     "get_forward_context",
+    "hybrid_coordinator_class",
     "init_logger",
     "is_draft_spec",
     "kv_spec_collectors",

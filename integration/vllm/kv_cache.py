@@ -71,7 +71,8 @@ class RingSWASpec(SlidingWindowSpec):
 
     @property
     def prefix_cacheable(self) -> bool:
-        # ring contents are positional and per request: nothing a later request could reuse
+        # ring contents are positional and per request: nothing a later request could reuse; vLLM leaves the
+        # group out of the hit lookup and prefix_cache.py caps the hit so the recompute rebuilds the ring
         return False
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
@@ -169,8 +170,11 @@ class RingSWAManager(SlidingWindowManager):
         num_external_computed_tokens: int,
         record_for_zeroing: bool = True,
     ) -> None:
-        if num_external_computed_tokens > 0:
-            raise NotImplementedError("a ring drafter group cannot adopt KV-connector tokens (they carry no ring KV)")
+        if num_external_computed_tokens > 0:  # planning.check_ring_config refuses KV connectors at startup
+            raise RingConfigError(
+                f"ringkv: {num_external_computed_tokens} KV-connector tokens for request {request_id} carry no ring "
+                "K/V; remove --kv-transfer-config"
+            )
 
     def add_local_computed_blocks(
         self,
@@ -179,8 +183,11 @@ class RingSWAManager(SlidingWindowManager):
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
     ) -> None:
-        # no prefix hits: a ring group is never cacheable
-        return
+        """A prefix hit (capped by ``prefix_cache`` below the first window the ring serves) is dead to the ring:
+        its blocks are null placeholders, so the row stays position-indexed."""
+        del new_computed_blocks, num_external_computed_tokens  # a ring group takes no part in the lookup
+        row = self.req_to_blocks[request_id]
+        row.extend([self._null_block] * (num_local_computed_tokens // self.block_size - len(row)))
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, *args: Any, **kwargs: Any):

