@@ -19,7 +19,8 @@ from ringkv.kernels._triton_utils import is_interpreter
 
 from ._compat import AttentionBackendEnum, cpu_platform_class, engine_args_class, init_logger
 
-logger = init_logger(__name__)
+# under vLLM's logger, which vLLM configures (a plain ``ringkv.*`` logger prints nothing in a served process)
+logger = init_logger(f"vllm.{__name__}")
 
 RING_NAMES = ("RINGKV", "CUSTOM")
 
