@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from ringkv.bench.compile_report import compile_report
 from ringkv.bench.fp8_acceptance import fp8_acceptance
+from ringkv.bench.load import LoadOptions
 
 app = typer.Typer(
     help="ringkv: a fixed ring of KV blocks for sliding-window speculative drafters.", no_args_is_help=True
@@ -26,6 +27,9 @@ Window = Annotated[int, typer.Option(help="the drafter's sliding window W")]
 Chunk = Annotated[int, typer.Option(help="prefill chunk: tokens per scheduler step (max_num_batched_tokens)")]
 NumSpeculativeTokens = Annotated[int, typer.Option(help="speculative tokens N (a draft block of N + 1)")]
 Seed = Annotated[int, typer.Option(help="seed of every random draw")]
+TargetGroups = Annotated[int, typer.Option(help="target full-attention KV groups")]
+TargetBlockSize = Annotated[int, typer.Option(help="target groups' block size")]
+DrafterBlockSize = Annotated[int, typer.Option(help="drafter block size")]
 KvCacheDtype = Annotated[
     str, typer.Option(help="the drafter's KV dtype (vLLM's kv_cache_dtype): auto, or fp8 / fp8_e4m3 / fp8_e5m2")
 ]
@@ -84,6 +88,23 @@ def require_writable(path: Path, flag: str) -> None:
     require(not parent.exists() or parent.is_dir(), f"{flag} {path}: {parent} is not a folder")
 
 
+def require_block_multiple(target_block_size: int, drafter_block_size: int) -> None:
+    require(target_block_size % drafter_block_size == 0,
+            f"--target-block-size {target_block_size} must be a multiple of --drafter-block-size "
+            f"{drafter_block_size} (vLLM's scheduler block is the largest group block)")  # fmt: skip
+
+
+def in_column(ring: bool, value: str) -> tuple[str, str]:
+    """The (stock vLLM, ringkv ring) cells of a row that belongs to one of them."""
+    return ("", value) if ring else (value, "")
+
+
+def blocks_held(blocks: list[int]) -> str:
+    """min / max / last of drafter blocks held per step."""
+    blocks = blocks or [0]
+    return f"{min(blocks)} / {max(blocks)} / {blocks[-1]}"
+
+
 def show(title: str, columns: list[str], rows: list[tuple[str, ...]]) -> None:
     table = Table(title=title, title_justify="left")
     for column in columns:
@@ -132,18 +153,24 @@ def demo(
 @app.command()
 def admission(
     pool_blocks: int = typer.Option(1012, help="KV pool blocks (one pool for all groups)"),
-    target_groups: int = typer.Option(6, help="target full-attention KV groups"),
-    target_block_size: int = typer.Option(2304, help="target groups' block size"),
+    target_groups: TargetGroups = 6,
+    target_block_size: TargetBlockSize = 2304,
     window: Window = 2048,
-    drafter_block_size: int = typer.Option(16, help="drafter block size"),
+    drafter_block_size: DrafterBlockSize = 16,
     num_speculative_tokens: NumSpeculativeTokens = 7,
     max_model_len: int = typer.Option(262_144),
     max_num_batched_tokens: Chunk = 8192,
     async_scheduling: bool = typer.Option(True, help="GPU default: two batches in flight"),
-    prompt_tokens: int = typer.Option(None, help="prompt to run (default: max_model_len - 8 * decode steps)"),
+    prompt_tokens: int = typer.Option(
+        None, help="prompt to run (default: max_model_len - 8 * decode steps, less the tail with --prefix-caching)"
+    ),
     decode_steps: int = typer.Option(64, help="speculative decode steps after the prefill"),
     seed: Seed = 0,
     plot: Path = typer.Option(Path("admission.png"), help="PNG of drafter blocks vs context"),
+    prefix_caching: bool = typer.Option(
+        False, help="vLLM's prefix caching; after each run ends, its prompt + --tail-tokens new tokens arrives"
+    ),
+    tail_tokens: int = typer.Option(64, help="with --prefix-caching: the second request's new tokens"),
 ) -> None:
     """vLLM #55800 under vLLM's real Scheduler and KVCacheManager (CPU): stock drafter vs ringkv's ring."""
     require_at_least([
@@ -151,17 +178,20 @@ def admission(
         ("--target-block-size", target_block_size, 1), ("--window", window, 1),
         ("--drafter-block-size", drafter_block_size, 1), ("--num-speculative-tokens", num_speculative_tokens, 1),
         ("--max-model-len", max_model_len, 1), ("--max-num-batched-tokens", max_num_batched_tokens, 1),
-        ("--decode-steps", decode_steps, 0),
+        ("--decode-steps", decode_steps, 0), ("--tail-tokens", tail_tokens, 1),
     ])  # fmt: skip
-    require(target_block_size % drafter_block_size == 0,
-            f"--target-block-size {target_block_size} must be a multiple of --drafter-block-size "
-            f"{drafter_block_size} (vLLM's scheduler block is the largest group block)")  # fmt: skip
+    require_block_multiple(target_block_size, drafter_block_size)
     require(num_speculative_tokens < 64, f"--num-speculative-tokens {num_speculative_tokens} must be <= 63")
     lookahead = num_speculative_tokens + 1
-    prompt = max_model_len - lookahead * decode_steps if prompt_tokens is None else prompt_tokens
+    # with prefix caching the second request (the prompt + the tail) needs room for its decode steps too
+    tail = tail_tokens if prefix_caching else 0
+    prompt = max_model_len - lookahead * decode_steps - tail if prompt_tokens is None else prompt_tokens
     require(1 <= prompt <= max_model_len,
             f"the prompt ({prompt} tokens) must be in 1..--max-model-len {max_model_len}; lower --decode-steps "
             "or give --prompt-tokens")  # fmt: skip
+    require(prompt + tail + (lookahead if prefix_caching else 0) <= max_model_len,
+            f"the second request ({prompt} + {tail_tokens} tokens) leaves no decode step below --max-model-len "
+            f"{max_model_len}; lower --prompt-tokens or --tail-tokens")  # fmt: skip
     require_writable(plot, "--plot")
     # vLLM's INFO lines would bury the table; VLLM_LOGGING_LEVEL=INFO brings them back
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -174,6 +204,7 @@ def admission(
         build_vllm_config,
         scheduler_admits,
         scheduler_largest_admissible,
+        scheduler_prefix_rerun,
         scheduler_run,
     )
 
@@ -182,6 +213,7 @@ def admission(
     deployment = Deployment(
         pool_blocks=pool_blocks, target_groups=target_groups, target_block_size=target_block_size, drafter=drafter,
         max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
+        prefix_caching=prefix_caching,
     )  # fmt: skip
     config = build_vllm_config(deployment)
     largest = {ring: scheduler_largest_admissible(config, deployment, ring) for ring in (False, True)}
@@ -202,19 +234,29 @@ def admission(
             def advance(computed: int, task=task, bar=bar) -> None:
                 bar.update(task, completed=computed)
 
-            trace = scheduler_run(config, deployment, ring, run_prompt, decode_steps, seed=seed, on_step=advance)
+            if prefix_caching:
+                rerun = scheduler_prefix_rerun(config, deployment, ring, run_prompt, tail_tokens, decode_steps,
+                                               seed=seed, on_step=advance)  # fmt: skip
+                trace, second = rerun.first, rerun.second
+            else:
+                trace, second = scheduler_run(config, deployment, ring, run_prompt, decode_steps, seed=seed,
+                                              on_step=advance), None  # fmt: skip
         status = "finished" if trace.finished else "WEDGED (nothing scheduled)"
-        blocks = trace.drafter_blocks or [0]
-        held = f"{min(blocks)} / {max(blocks)} / {blocks[-1]}"
-        cells = (status, "") if not ring else ("", status)
-        rows.append((f"{run_prompt:,}-token run ({len(trace.computed)} steps)", *cells))
-        rows.append(("  drafter blocks held min / max / last", *((held, "") if not ring else ("", held))))
+        rows.append((f"{run_prompt:,}-token run ({len(trace.computed)} steps)", *in_column(ring, status)))
+        rows.append(("  drafter blocks held min / max / last", *in_column(ring, blocks_held(trace.drafter_blocks))))
         if trace.computed:
             series[f"{label} ({run_prompt}-token prompt)"] = (trace.computed, trace.drafter_blocks)
+        if second is not None and second.computed:
+            rows.append((f"  then its prompt + {tail_tokens} new tokens: prefix-cache hit",
+                         *in_column(ring, f"{second.prefix_hit:,} tokens")))  # fmt: skip
+            rows.append(("  its drafter blocks held min / max / last",
+                         *in_column(ring, blocks_held(second.drafter_blocks))))  # fmt: skip
+            series[f"{label} ({run_prompt}-token prompt), second request"] = (second.computed, second.drafter_blocks)
     show(f"vLLM #55800 (real Scheduler): {target_groups} target groups x block {target_block_size}, drafter W "
          f"{window} / block {drafter_block_size} / N {num_speculative_tokens}, pool {pool_blocks} blocks, chunk "
-         f"{max_num_batched_tokens}, async scheduling {'on' if async_scheduling else 'off'}; ring R = "
-         f"{drafter.plan.num_blocks}", ["", "stock vLLM", "ringkv ring"], rows)  # fmt: skip
+         f"{max_num_batched_tokens}, async scheduling {'on' if async_scheduling else 'off'}, prefix caching "
+         f"{'on' if prefix_caching else 'off'}; ring R = {drafter.plan.num_blocks}",
+         ["", "stock vLLM", "ringkv ring"], rows)  # fmt: skip
     console().print(f"plot: {plot_drafter_blocks(series, plot, 'Drafter KV blocks held (vLLM Scheduler, CPU)')}")
 
 
@@ -321,6 +363,72 @@ def cpu_figures(
     console().print(f"rows: {path}")
     for plot_path in plots:
         console().print(f"plot: {plot_path}")
+
+
+@bench.command("load")
+def load(
+    pool_blocks: list[int] = typer.Option(list(LoadOptions.pool_blocks), help="KV pool sizes (repeat the flag)"),
+    window: Window = LoadOptions.window,
+    drafter_block_size: DrafterBlockSize = LoadOptions.drafter_block_size,
+    num_speculative_tokens: NumSpeculativeTokens = LoadOptions.num_speculative_tokens,
+    target_groups: TargetGroups = LoadOptions.target_groups,
+    target_block_size: TargetBlockSize = LoadOptions.target_block_size,
+    max_num_batched_tokens: Chunk = LoadOptions.max_num_batched_tokens,
+    max_num_seqs: int = typer.Option(LoadOptions.max_num_seqs, help="most requests running at once"),
+    conversations: int = typer.Option(LoadOptions.conversations, help="conversations (one turn live at a time)"),
+    turns: int = typer.Option(LoadOptions.turns, help="turns per conversation, each re-sending the whole history"),
+    system_tokens: int = typer.Option(LoadOptions.system_tokens, help="system prompt every conversation shares"),
+    turn_tokens: int = typer.Option(LoadOptions.turn_tokens, help="new tokens a turn adds to the history"),
+    output_tokens: int = typer.Option(LoadOptions.output_tokens, help="tokens every request generates"),
+    long_prompts: int = typer.Option(LoadOptions.long_prompts, help="independent single-turn prompts"),
+    long_prompt_tokens: int = typer.Option(LoadOptions.long_prompt_tokens, help="tokens of each of them"),
+    seed: Seed = LoadOptions.seed,
+    out: Path = typer.Option(Path("bench") / "results", help="folder for load.jsonl, load_cpu.txt, load.png"),
+) -> None:
+    """The same requests through vLLM's real Scheduler + KVCacheManager, stock drafter vs ring, at each pool size,
+    prefix caching off and on; fake model, random acceptance of N drafts (a generator per request).
+
+    Columns: preemptions; recomputed tokens = target tokens computed (scheduled minus rejected drafts, every step)
+    minus the distinct prefixes among all requests' computed tokens, i.e. what the target computes beyond what an
+    unbounded token-exact cache would leave it (re-sent history the prefix cache did not serve, the ring's last
+    window under its hit cap, preempted work redone); scheduler steps to finish everything; running requests
+    (admitted, holding KV) at the peak and on average over the steps; peak drafter blocks held (all requests,
+    shared blocks once); prefix-cache hit tokens (every admission, resumed ones too)."""
+    require_at_least([
+        ("--window", window, 1), ("--drafter-block-size", drafter_block_size, 1),
+        ("--num-speculative-tokens", num_speculative_tokens, 1), ("--target-groups", target_groups, 1),
+        ("--target-block-size", target_block_size, 1), ("--max-num-batched-tokens", max_num_batched_tokens, 1),
+        ("--max-num-seqs", max_num_seqs, 1), ("--conversations", conversations, 0), ("--turns", turns, 1),
+        ("--system-tokens", system_tokens, 0), ("--turn-tokens", turn_tokens, 1), ("--output-tokens", output_tokens, 1),
+        ("--long-prompts", long_prompts, 0), ("--long-prompt-tokens", long_prompt_tokens, 1),
+        *(("--pool-blocks", pool, 2) for pool in pool_blocks),
+    ])  # fmt: skip
+    require(conversations + long_prompts > 0, "--conversations and --long-prompts are both 0: nothing to run")
+    require_block_multiple(target_block_size, drafter_block_size)
+    require(num_speculative_tokens < 64, f"--num-speculative-tokens {num_speculative_tokens} must be <= 63")
+    require(not out.is_file(), f"--out {out} is a file; give a folder")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from rich.progress import Progress
+    from ringkv.bench.load import run
+
+    from .simulation.load import PoolTooSmall
+
+    options = LoadOptions(
+        pool_blocks=tuple(pool_blocks), window=window, drafter_block_size=drafter_block_size,
+        num_speculative_tokens=num_speculative_tokens, target_groups=target_groups,
+        target_block_size=target_block_size, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        conversations=conversations, turns=turns, system_tokens=system_tokens, turn_tokens=turn_tokens,
+        output_tokens=output_tokens, long_prompts=long_prompts, long_prompt_tokens=long_prompt_tokens, seed=seed,
+    )  # fmt: skip
+    with Progress(console=console(), transient=True) as bar:
+        task = bar.add_task("runs (pool x prefix caching x drafter)", total=4 * len(pool_blocks))
+        try:
+            _, grid, files = run(options, out, on_row=lambda _: bar.advance(task))
+        except PoolTooSmall as error:
+            fail(f"{error}; give larger --pool-blocks")
+    console().print(grid)
+    for path in files:
+        console().print(f"wrote {path}")
 
 
 @app.command()

@@ -8,11 +8,14 @@ from ringkv.integration.vllm import _compat  # noqa: F401 -- the version check r
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 
@@ -33,10 +36,15 @@ __all__ = [
     "KVCacheManager",
     "ModelRunnerOutput",
     "Request",
+    "RequestStatus",
     "SamplingParams",
     "Scheduler",
+    "SchedulerOutput",
     "SlidingWindowSpec",
     "StructuredOutputManager",
     "VllmConfig",
+    "get_hash_fn_by_name",
+    "get_request_block_hasher",
+    "init_none_hash",
     "runner_output",
 ]

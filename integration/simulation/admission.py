@@ -9,6 +9,7 @@ import bisect
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from ringkv.integration.vllm import register
@@ -24,6 +25,9 @@ from ._vllm import (
     SamplingParams,
     SlidingWindowSpec,
 )
+
+# vLLM's request block hasher: request -> the hashes of its newly full blocks
+BlockHasher = Callable[[Request], list[Any]]
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class Deployment:
     # when the hybrid KV-cache manager is off)
     stock_drafter: str = "sliding"
     max_num_seqs: int = 16
+    prefix_caching: bool = False
 
     @property
     def max_in_flight_tokens(self) -> int:
@@ -77,12 +82,18 @@ class Deployment:
             scheduler_block_size=self.target_block_size,
             hash_block_size=self.drafter.block_size,
             max_in_flight_tokens=self.max_in_flight_tokens,
-            enable_caching=False,
+            enable_caching=self.prefix_caching,
         )
 
 
-def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int = 1 << 20) -> Request:
-    return Request(request_id, [1] * num_prompt_tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None)
+def make_request(
+    request_id: str, prompt: int | list[int], max_tokens: int = 1 << 20, block_hasher: BlockHasher | None = None
+) -> Request:
+    """A request of ``prompt`` token ids (or that many 1s); ``block_hasher`` (vLLM's, with prefix caching on)
+    hashes its blocks as tokens arrive, as the engine's does."""
+    tokens = [1] * prompt if isinstance(prompt, int) else prompt
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(request_id, tokens, params, None, block_hasher=block_hasher)
 
 
 def drafter_manager(manager: KVCacheManager):
@@ -96,6 +107,14 @@ def drafter_blocks_held(manager: KVCacheManager, request_id: str) -> int:
     held = {block.block_id for block in row if not block.is_null}
     ring = getattr(drafter_manager(manager), "rings", {}).get(request_id, [])
     return len(held | {block.block_id for block in ring})
+
+
+def drafter_blocks_in_use(manager: KVCacheManager) -> int:
+    """Distinct physical (non-null) blocks the drafter group holds for all requests together (a block two
+    requests share through the prefix cache counts once)."""
+    group = drafter_manager(manager)
+    rows = [*group.req_to_blocks.values(), *getattr(group, "rings", {}).values()]
+    return len({block.block_id for row in rows for block in row if not block.is_null})
 
 
 def admits(deployment: Deployment, ring: bool, num_tokens: int) -> bool:

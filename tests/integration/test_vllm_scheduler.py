@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -11,6 +13,7 @@ from ringkv.integration.simulation.admission import Deployment
 from ringkv.integration.simulation.scheduler_run import (
     build_vllm_config,
     scheduler_largest_admissible,
+    scheduler_prefix_rerun,
     scheduler_run,
 )
 
@@ -48,3 +51,30 @@ def test_admission_cli(tmp_path):
     for row in ("largest admissible prompt", "drafter blocks held min / max / last", "WEDGED"):
         assert row in result.output
     assert plot.stat().st_size > 10_000
+
+
+def test_prefix_caching_the_ring_admits_262144_and_a_second_request_hits_the_cache():
+    """With prefix caching on, the #55800 prompt still admits and holds R blocks; a second request of its prompt
+    plus a 64-token tail, arriving after it ended, takes the prompt from the cache up to the ring's hit cap
+    N - (W - 1), aligned down to vLLM's hit block (the scheduler block, lcm of the group blocks: 2304 here)."""
+    deployment = replace(ISSUE, prefix_caching=True)
+    config = build_vllm_config(deployment)
+    assert scheduler_largest_admissible(config, deployment, ring=True) == 262_144
+    prompt, tail, window, block = 262_144 - 4 * 8 - 64, 64, ISSUE.drafter.window, ISSUE.target_block_size
+    rerun = scheduler_prefix_rerun(config, deployment, True, prompt, tail, decode_steps=4)
+    assert rerun.first.finished and rerun.second.finished
+    assert set(rerun.first.drafter_blocks) == set(rerun.second.drafter_blocks) == {130}
+    hit = rerun.second.prefix_hit
+    assert prompt - window - 2 * block <= hit <= prompt + tail - (window - 1)
+
+
+def test_admission_cli_prefix_caching(tmp_path):
+    from ringkv.integration.cli import app
+    from typer.testing import CliRunner
+
+    plot = tmp_path / "admission.png"
+    result = CliRunner().invoke(app, ["admission", "--prefix-caching", "--decode-steps", "4", "--plot", str(plot)],
+                                env={"COLUMNS": "200"})  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "prefix caching on" in result.output
+    assert result.output.count("then its prompt + 64 new tokens: prefix-cache hit") == 2  # stock's largest, ring

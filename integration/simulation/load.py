@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A stream of requests through vLLM's real ``Scheduler`` (no model): conversations whose turns re-send the whole
+history, each turn arriving when the one before finishes, beside independent prompts. A fake model samples
+(``fake_sample``: random acceptance, one generator per request, so a request draws the same acceptances
+whatever the pool does to it). Counts what the pool costs the target: preemptions, tokens computed beyond the
+least, steps, concurrency, drafter blocks, prefix-cache hits."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from itertools import pairwise
+
+import numpy as np
+
+from ._vllm import DraftTokenIds, Request, SchedulerOutput, VllmConfig, runner_output
+from .admission import Deployment, drafter_blocks_in_use, make_request
+from .scheduler_run import fake_sample, make_scheduler, request_block_hasher
+
+
+class PoolTooSmall(RuntimeError):
+    """A step scheduled nothing: the empty pool cannot hold a waiting request."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One client's turns: turn ``k``'s prompt is turn ``k - 1``'s prompt and output plus ``turns[k]`` (its new
+    token ids); every turn generates ``max_tokens`` tokens. One turn: an independent prompt."""
+
+    turns: tuple[tuple[int, ...], ...]
+    max_tokens: int
+
+
+@dataclass
+class LoadResult:
+    """Totals over a run. ``computed_tokens``: target tokens computed and kept (scheduled minus rejected drafts,
+    every step); ``distinct_tokens``: the distinct prefixes among the requests' computed tokens (each request's
+    first ``num_computed_tokens`` at finish), what a target with an unbounded token-exact cache would compute."""
+
+    requests: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    computed_tokens: int = 0
+    distinct_tokens: int = 0
+    peak_running: int = 0
+    running_summed: int = 0  # requests running (admitted, holding KV), summed over steps
+    peak_drafter_blocks: int = 0
+    prefix_hit_tokens: int = 0
+
+    @property
+    def mean_running(self) -> float:
+        return self.running_summed / self.steps if self.steps else 0.0
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """Target tokens computed beyond ``distinct_tokens``: preempted work redone, history re-sent and not
+        (or not wholly) served by the prefix cache."""
+        return self.computed_tokens - self.distinct_tokens
+
+
+def run_load(
+    config: VllmConfig, deployment: Deployment, ring: bool, conversations: list[Conversation], seed: int = 0
+) -> LoadResult:
+    """Every conversation's first turn queued at once, each later turn added when the one before finishes; runs
+    until all have finished; ``PoolTooSmall`` if a step schedules nothing."""
+    scheduler = make_scheduler(config, deployment, ring)
+    hasher = request_block_hasher(config, deployment)
+    drafts = deployment.drafter.num_speculative_tokens
+    live: dict[str, tuple[Request, random.Random, int, int]] = {}  # request, its generator, conversation, turn
+    finished: list[Request] = []
+
+    def submit(conversation: int, turn: int, history: list[int]) -> None:
+        rid = f"c{conversation}t{turn}"
+        spec = conversations[conversation]
+        request = make_request(rid, [*history, *spec.turns[turn]], spec.max_tokens, hasher)
+        live[rid] = (request, random.Random(f"{seed}/{rid}"), conversation, turn)
+        scheduler.add_request(request)
+
+    for index in range(len(conversations)):
+        submit(index, 0, [])
+    result = LoadResult()
+    while live:
+        output = scheduler.schedule()
+        if not output.num_scheduled_tokens:
+            raise PoolTooSmall(f"step {result.steps}: nothing scheduled with {len(live)} requests waiting; the "
+                               f"{deployment.pool_blocks}-block pool cannot hold one of them")  # fmt: skip
+        result.steps += 1
+        result.preemptions += len(output.preempted_req_ids)
+        result.prefix_hit_tokens += admitted_hits(output)
+        result.peak_running = max(result.peak_running, len(scheduler.running))
+        result.running_summed += len(scheduler.running)
+        result.peak_drafter_blocks = max(result.peak_drafter_blocks, drafter_blocks_in_use(scheduler.kv_cache_manager))
+        ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            drafted = len(output.scheduled_spec_decode_tokens.get(rid, ()))
+            tokens = fake_sample(live[rid][0], drafted, live[rid][1])
+            rejected = drafted - (len(tokens) - 1) if drafted else 0
+            result.computed_tokens += output.num_scheduled_tokens[rid] - rejected
+            sampled.append(tokens)
+        scheduler.update_from_output(output, runner_output(ids, sampled))
+        scheduler.update_draft_token_ids(DraftTokenIds(ids, [[1] * drafts for _ in ids]))
+        for rid in ids:
+            request, _, conversation, turn = live[rid]
+            if not request.is_finished():
+                continue
+            del live[rid]
+            finished.append(request)
+            if turn + 1 < len(conversations[conversation].turns):
+                submit(conversation, turn + 1, list(request.all_token_ids))
+    result.requests = len(finished)
+    result.distinct_tokens = distinct_prefixes([computed_sequence(r, i) for i, r in enumerate(finished)])
+    return result
+
+
+def admitted_hits(output: SchedulerOutput) -> int:
+    """Prefix-cache hit tokens of the requests a ``SchedulerOutput`` admits (new, or resumed after preemption):
+    their ``num_computed_tokens`` before the step."""
+    cached = output.scheduled_cached_reqs
+    resumed = sum(n for rid, n in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+                  if rid in cached.resumed_req_ids)  # fmt: skip
+    return resumed + sum(new.num_computed_tokens for new in output.scheduled_new_reqs)
+
+
+def computed_sequence(request: Request, index: int) -> list[int]:
+    """The tokens whose K/V the target computed for a finished request: its first ``num_computed_tokens``;
+    drafts verified past the stop (beyond its tokens) stand as tokens of its own (``-1 - index``)."""
+    tokens = list(request.all_token_ids[: request.num_computed_tokens])
+    return tokens + [-1 - index] * (request.num_computed_tokens - len(tokens))
+
+
+def distinct_prefixes(sequences: list[list[int]]) -> int:
+    """The number of distinct non-empty prefixes (nodes of the sequences' trie): the sum of lengths less, in
+    sorted order, each sequence's common prefix with the one before."""
+    ordered = sorted(sequences)
+    shared = sum(common_prefix(a, b) for a, b in pairwise(ordered))
+    return sum(map(len, ordered)) - shared
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
