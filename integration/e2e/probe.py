@@ -5,7 +5,11 @@ point when ``RINGKV_E2E_PROBE`` names a JSON probe config (``ProbeConfig``); a n
 Per process it records, and writes to ``<dir>/probe-<pid>.pt`` when the scheduler or a worker shuts down:
 - calls of ringkv's impl per layer (``forward``, ``do_kv_cache_update``);
 - for the layers in ``record_layers``, every attention output of either backend (ring or vLLM's CPU one);
-- at every scheduler step, the drafter group's distinct physical blocks per running request.
+- at every scheduler step, per running request, its tokens computed before the step and the drafter group's
+  distinct physical blocks it holds after it;
+- every admission from the waiting queue: the request's tokens, the prefix hit vLLM granted, whether it resumes
+  after a preemption;
+- at scheduler shutdown, the block pool's free blocks against its size.
 """
 
 from __future__ import annotations
@@ -35,9 +39,31 @@ class ProbeConfig:
 
 @dataclass
 class SchedulerStep:
-    """One ``schedule()``: per running request, (tokens computed before the step, drafter blocks held)."""
+    """One ``schedule()``: per running request, (tokens computed before the step, drafter blocks held after it).
+    A request admitted by the step starts from its prefix hit."""
 
     requests: dict[str, tuple[int, int]]
+
+
+@dataclass
+class Admission:
+    """A request taken from the waiting queue (``KVCacheManager.record_prefix_cache_stats``, called once per
+    admission with the hit the request starts from, after every cap on it)."""
+
+    request_id: str
+    num_tokens: int
+    hit: int
+    # admitted again after a preemption (vLLM counts these apart from its prefix_cache_* counters)
+    resumed: bool
+
+
+@dataclass
+class BlockPool:
+    """The scheduler's block pool at shutdown. ``free`` counts cached-but-unreferenced blocks too (they sit in
+    the free queue), so with nothing running ``free == num_blocks - 1`` (the null block) unless a block leaked."""
+
+    num_blocks: int
+    free: int
 
 
 @dataclass
@@ -47,6 +73,8 @@ class ProbeRecord:
     kv_update_calls: Counter = field(default_factory=Counter)
     outputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     steps: list[SchedulerStep] = field(default_factory=list)
+    admissions: list[Admission] = field(default_factory=list)
+    pool_at_shutdown: BlockPool | None = None
     ring_blocks: int | None = None
     drafter_block_size: int | None = None
 
@@ -119,18 +147,21 @@ def _held_blocks(manager: Any, request_id: str) -> int:
 
 
 def _scheduler_probes() -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
     def schedule(original):
         def wrapped(self, *args, **kwargs):
             group = _drafter_group(self)
-            before = {r.request_id: r.num_computed_tokens for r in self.running}
             output = original(self, *args, **kwargs)
             if group is not None:
                 manager = self.kv_cache_manager.coordinator.single_type_managers[group]
                 _record.ring_blocks = getattr(manager, "ring_blocks", None)
                 _record.drafter_block_size = manager.block_size
-                held = {r.request_id: (before.get(r.request_id, 0), _held_blocks(manager, r.request_id))
+                # schedule() has already advanced num_computed_tokens by the step's scheduled tokens
+                scheduled = output.num_scheduled_tokens
+                held = {r.request_id: (r.num_computed_tokens - scheduled.get(r.request_id, 0),
+                                       _held_blocks(manager, r.request_id))
                         for r in self.running}  # fmt: skip
                 _record.steps.append(SchedulerStep(held))
             if _config.progress:
@@ -140,8 +171,26 @@ def _scheduler_probes() -> None:
 
         return wrapped
 
+    def record_admission(original):
+        def wrapped(self, request, num_hits, *args, **kwargs):
+            resumed = request.num_preemptions > 0
+            _record.admissions.append(Admission(request.request_id, request.num_tokens, num_hits, resumed))
+            return original(self, request, num_hits, *args, **kwargs)
+
+        return wrapped
+
+    def shutdown(original):
+        def wrapped(self, *args, **kwargs):
+            pool = self.kv_cache_manager.block_pool
+            _record.pool_at_shutdown = BlockPool(pool.num_gpu_blocks, pool.get_num_free_blocks())
+            _save()
+            return original(self, *args, **kwargs)
+
+        return wrapped
+
     _wrap(Scheduler, "schedule", schedule)
-    _wrap(Scheduler, "shutdown", _saving_first)
+    _wrap(KVCacheManager, "record_prefix_cache_stats", record_admission)
+    _wrap(Scheduler, "shutdown", shutdown)
 
 
 def _drafter_group(scheduler: Any) -> int | None:

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Launch engine runs (``worker``) in their own processes and compare them: greedy tokens, vLLM's spec-decode
-counters, ringkv's calls per drafter layer, drafter blocks held per scheduler step, drafter attention outputs."""
+"""Launch engine runs (``worker``) in their own processes and compare them: greedy tokens, vLLM's spec-decode,
+prefix-cache and preemption counters, ringkv's calls per drafter layer, drafter blocks held and tokens computed
+per scheduler step, prefix hits per admission, the block pool at shutdown, drafter attention outputs."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from .probe import ENV as PROBE_ENV
-from .probe import ProbeConfig, load_records
+from .probe import Admission, BlockPool, ProbeConfig, load_records
 from .worker import RESULT_PREFIX, EngineRunSpec
 
 PROGRESS_PREFIX = "PROGRESS "
@@ -32,8 +33,13 @@ class EngineRunError(RuntimeError):
 @dataclass
 class EngineRun:
     spec: EngineRunSpec
+    # per request, in submission order (every wave's): the prompt submitted and its greedy reply
+    prompts: list[list[int]]
     tokens: list[list[int]]
     spec_decode: dict[str, Any]
+    # vLLM's prefix_cache_queries / prefix_cache_hits (tokens; requests never preempted) and num_preemptions
+    prefix_cache: dict[str, int]
+    preemptions: int
     init_seconds: float
     generate_seconds: float
     wall_seconds: float
@@ -49,11 +55,23 @@ class EngineRun:
 
     @property
     def scheduler(self) -> dict[str, Any]:
-        """The record of the process that ran the scheduler (steps, ring_blocks, drafter_block_size)."""
-        owners = [r for r in self.records if r["steps"]]
+        """The record of the process that ran the scheduler (steps, admissions, ring_blocks, drafter_block_size,
+        pool_at_shutdown)."""
+        owners = [r for r in self.records if r["pool_at_shutdown"] is not None]
         if len(owners) != 1:
-            raise EngineRunError(f"{len(owners)} processes recorded scheduler steps; expected 1")
+            raise EngineRunError(f"{len(owners)} processes shut a scheduler down; expected 1")
         return owners[0]
+
+    @property
+    def admissions(self) -> list[Admission]:
+        """Every admission from the waiting queue, in order (a preempted request is admitted again)."""
+        return self.scheduler["admissions"]
+
+    @property
+    def leaked_blocks(self) -> int:
+        """Blocks neither free nor cached-and-unreferenced once the engine shut down (0 unless a block leaked)."""
+        pool: BlockPool = self.scheduler["pool_at_shutdown"]
+        return pool.num_blocks - 1 - pool.free
 
     def outputs(self) -> dict[tuple[int, str], list[torch.Tensor]]:
         """Drafter attention outputs per (recording process index, layer), in call order."""
@@ -107,10 +125,16 @@ def run_engine(
         if code != 0 or result is None:
             raise EngineRunError(f"engine run failed (exit {code}):\n" + "".join(lines[-80:]))
         return EngineRun(
-            spec=spec, tokens=result["tokens"], spec_decode=result["spec_decode"],
+            spec=spec, prompts=result["prompts"], tokens=result["tokens"], spec_decode=result["spec_decode"],
+            prefix_cache=result["prefix_cache"], preemptions=result["preemptions"],
             init_seconds=result["init_seconds"], generate_seconds=result["generate_seconds"], wall_seconds=wall,
             records=load_records(directory),
         )  # fmt: skip
+
+
+def request_index(request_id: str) -> int:
+    """The request's index in submission order: the worker names requests by it, vLLM appends ``-<random>``."""
+    return int(request_id.rsplit("-", 1)[0])
 
 
 def held_blocks(run: EngineRun) -> list[dict[str, tuple[int, int]]]:

@@ -2,7 +2,9 @@
 """One engine run in its own process: ``python -m ringkv.integration.e2e.worker SPEC.json`` (an ``EngineRunSpec``).
 
 vLLM keeps process-wide state (its platform, backend cache, distributed groups), so every configuration gets a
-fresh process. Prints one line ``RESULT {json}``: the greedy tokens, vLLM's spec-decode counters and timings.
+fresh process. The requests go in waves through ``LLMEngine``'s own loop (``add_request`` / ``step`` /
+``abort_request``), each wave once the previous one finished. Prints one line ``RESULT {json}``: the prompts
+submitted and their greedy tokens, vLLM's spec-decode, prefix-cache and preemption counters, and timings.
 """
 
 from __future__ import annotations
@@ -25,8 +27,18 @@ class EngineRunSpec:
     target: str
     drafter: str | None
     drafter_backend: str | None
+    # the first wave of prompts
     prompts: list[list[int]]
     max_tokens: int
+    # further waves, each submitted once every request of the previous one finished
+    later_waves: list[list[list[int]]] = field(default_factory=list)
+    # slots (positions in a wave) whose request in a later wave continues the slot's request of the wave before:
+    # its prompt = that prompt + its reply + the tokens this wave gives for the slot (a conversation's next turn)
+    continued_slots: list[int] = field(default_factory=list)
+    # request name (its index in submission order, as a string) -> reply length once reached it is aborted at
+    # (``LLMEngine.abort_request`` after the step that reached it)
+    abort_after_tokens: dict[str, int] = field(default_factory=dict)
+    enable_prefix_caching: bool = False
     # speculative tokens N; None: the drafter's own draft block - 1 (its dflash_config block_size)
     num_speculative_tokens: int | None = None
     max_model_len: int = 4096
@@ -37,6 +49,8 @@ class EngineRunSpec:
     # the target's sliding-window layers on RINGKV too (backend_per_kind)
     target_on_ring: bool = False
     kv_cache_gib: int = 1
+    # the KV pool in blocks of the unified page (vLLM num_gpu_blocks_override); None: what kv_cache_gib holds
+    num_gpu_blocks: int | None = None
     probe: dict[str, Any] | None = None
     dtype: str = "float32"
     # the drafter's own KV cache dtype (vLLM speculative_config.kv_cache_dtype, e.g. "fp8_e4m3"); None inherits
@@ -75,8 +89,9 @@ def engine_kwargs(spec: EngineRunSpec) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "model": spec.target, "skip_tokenizer_init": True, "dtype": spec.dtype, "max_model_len": spec.max_model_len,
         "max_num_batched_tokens": spec.max_num_batched_tokens, "max_num_seqs": spec.max_num_seqs,
-        "enforce_eager": True, "seed": 0, "enable_prefix_caching": False, "block_size": spec.block_size,
-        "disable_log_stats": False, "tensor_parallel_size": spec.tensor_parallel_size,
+        "enforce_eager": True, "seed": 0, "enable_prefix_caching": spec.enable_prefix_caching,
+        "block_size": spec.block_size, "num_gpu_blocks_override": spec.num_gpu_blocks, "disable_log_stats": False,
+        "tensor_parallel_size": spec.tensor_parallel_size,
         "distributed_executor_backend": "uni" if spec.tensor_parallel_size == 1 else "mp",
     }  # fmt: skip
     if spec.drafter_backend is not None:
@@ -95,39 +110,88 @@ def engine_kwargs(spec: EngineRunSpec) -> dict[str, Any]:
     return kwargs
 
 
-def spec_decode_counters(metrics: list[Any]) -> dict[str, Any]:
-    """vLLM's spec-decode counters (``LLM.get_metrics``): drafts, draft tokens, accepted, accepted per position."""
-    names = {
-        "vllm:spec_decode_num_drafts": "drafts",
-        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens": "accepted",
-        "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_per_position",
+SPEC_DECODE_METRICS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted",
+    "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_per_position",
+}
+# tokens looked up and found by admissions of requests never preempted (vLLM counts resumed ones apart, unexported)
+PREFIX_CACHE_METRICS = {"vllm:prefix_cache_queries": "queries", "vllm:prefix_cache_hits": "hits"}
+PREEMPTION_METRICS = {"vllm:num_preemptions": "preemptions"}
+
+
+def engine_counters(metrics: list[Any], names: dict[str, str]) -> dict[str, Any]:
+    """vLLM's counters (``LLM.get_metrics``) named in ``names``, under their short names; a vector stays a list."""
+    return {
+        names[metric.name]: list(metric.values) if hasattr(metric, "values") else metric.value
+        for metric in metrics
+        if metric.name in names
     }
-    found: dict[str, Any] = {}
-    for metric in metrics:
-        if metric.name in names:
-            found[names[metric.name]] = list(metric.values) if hasattr(metric, "values") else metric.value
-    return found
+
+
+def spec_decode_counters(metrics: list[Any]) -> dict[str, Any]:
+    """vLLM's spec-decode counters: drafts, draft tokens, accepted, accepted per position."""
+    return engine_counters(metrics, SPEC_DECODE_METRICS)
+
+
+def wave_prompts(
+    spec: EngineRunSpec, wave: list[list[int]], previous: list[tuple[list[int], list[int]]]
+) -> list[list[int]]:
+    """The prompts a wave submits, given the previous wave's (prompt, reply) per slot."""
+    continued = set(spec.continued_slots) if previous else set()
+    return [previous[i][0] + previous[i][1] + tokens if i in continued else tokens for i, tokens in enumerate(wave)]
+
+
+def run_wave(engine: Any, spec: EngineRunSpec, prompts: list[list[int]], first: int, params: Any) -> list[list[int]]:
+    """Submit ``prompts`` as requests ``first, first + 1, ...`` and step the engine until none is left, aborting
+    those in ``spec.abort_after_tokens`` on the way (an aborted request's reply: the tokens it had by then)."""
+    names = [str(first + i) for i in range(len(prompts))]
+    for name, prompt in zip(names, prompts, strict=True):
+        engine.add_request(name, {"prompt_token_ids": prompt}, params)
+    replies: dict[str, list[int]] = {name: [] for name in names}
+    pending_aborts = {name: spec.abort_after_tokens[name] for name in names if name in spec.abort_after_tokens}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            replies[output.request_id] = list(output.outputs[0].token_ids)
+        due = [name for name, length in pending_aborts.items() if len(replies[name]) >= length]
+        if due:
+            engine.abort_request(due)
+            for name in due:
+                del pending_aborts[name]
+    return [replies[name] for name in names]
 
 
 def run(spec: EngineRunSpec) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.plugins import load_general_plugins
+    from vllm.sampling_params import RequestOutputKind
 
     start = time.perf_counter()
     # LLM() validates attention_config before it loads plugins: "RINGKV" must be registered first
     load_general_plugins()
     llm = LLM(**engine_kwargs(spec))
     ready = time.perf_counter()
-    outputs = llm.generate(
-        [{"prompt_token_ids": prompt} for prompt in spec.prompts],
-        SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, detokenize=False, ignore_eos=True),
-        use_tqdm=False,
-    )
+    # cumulative outputs: an aborted request's reply is what it had generated
+    params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, detokenize=False, ignore_eos=True,
+                            output_kind=RequestOutputKind.CUMULATIVE)  # fmt: skip
+    prompts: list[list[int]] = []
+    replies: list[list[int]] = []
+    previous: list[tuple[list[int], list[int]]] = []
+    for wave in [spec.prompts, *spec.later_waves]:
+        submitted = wave_prompts(spec, wave, previous)
+        tokens = run_wave(llm.llm_engine, spec, submitted, len(prompts), params)
+        previous = list(zip(submitted, tokens, strict=True))
+        prompts += submitted
+        replies += tokens
     done = time.perf_counter()
+    metrics = llm.get_metrics()
     result = {
-        "tokens": [list(output.outputs[0].token_ids) for output in outputs],
-        "spec_decode": spec_decode_counters(llm.get_metrics()),
+        "prompts": prompts,
+        "tokens": replies,
+        "spec_decode": spec_decode_counters(metrics),
+        "prefix_cache": engine_counters(metrics, PREFIX_CACHE_METRICS),
+        **engine_counters(metrics, PREEMPTION_METRICS),
         "init_seconds": ready - start,
         "generate_seconds": done - ready,
     }
