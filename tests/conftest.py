@@ -12,6 +12,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# RINGKV_REQUIRE (CI): groups that must run rather than skip (tests/requirements_plugin.py, ENVs.md)
+pytest_plugins = ["tests.requirements_plugin"]
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
