@@ -53,22 +53,19 @@ def build_batch(shape: DrafterShape, num_reqs: int, block: int, context_len: int
     plus the same K/V linearized (``[N, Hkv, W-1+B, D]``) for the dense baselines. ``kv_cache_dtype`` (vLLM's
     name, e.g. ``"fp8_e4m3"``): an fp8 ring with scales ``FP8_SCALE``, its dense K/V the dequantized ring in fp32."""
     import torch
-    from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_write
+    from ringkv.kernels import BatchMode, RingPlan
     from ringkv.kernels.kv_quant import FP8_KV_CACHE_DTYPES, dequantize, quantize_fp8
+    from ringkv.kernels.ring_pool import RingPool
 
     plan = RingPlan(shape.window, shape.block_size, lookahead=max(block, 8))
     # generated where it is used: a 256-request batch is gigabytes
     generator = torch.Generator(device=device).manual_seed(seed)
-    num_blocks = num_reqs * plan.num_blocks + 1
-    pool = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
     cache_dtype = dtype if kv_cache_dtype is None else FP8_KV_CACHE_DTYPES[kv_cache_dtype]
-    k_cache = torch.full(pool, float("nan"), dtype=cache_dtype, device=device)
-    v_cache = torch.full(pool, float("nan"), dtype=cache_dtype, device=device)
+    pool = RingPool.allocate(plan, num_reqs, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                             dtype=cache_dtype, device=device, generator=generator)  # fmt: skip
     scales = {}
     if kv_cache_dtype is not None:
         scales = {name: torch.full((1,), FP8_SCALE, device=device) for name in ("k_scale", "v_scale")}
-    rings = torch.randperm(num_blocks - 1, generator=generator, device=device) + 1
-    rings = rings.view(num_reqs, plan.num_blocks).to(torch.int32)
     context = torch.arange(max(0, context_len - (shape.window - 1)), context_len)
     ctx_len = len(context)
 
@@ -77,10 +74,8 @@ def build_batch(shape: DrafterShape, num_reqs: int, block: int, context_len: int
 
     k_ctx = randn(num_reqs, ctx_len, shape.num_kv_heads, shape.head_dim)
     v_ctx = randn(num_reqs, ctx_len, shape.num_kv_heads, shape.head_dim)
-    context = context.to(device)
     for r in range(num_reqs):
-        slots = plan.slot_mapping(context, rings[r], seq_len=context_len)
-        ring_write(k_ctx[r], v_ctx[r], k_cache, v_cache, slots, **scales)
+        pool.write(r, context, k_ctx[r], v_ctx[r], seq_len=context_len, **scales)
     if scales:
         # what the ring holds, for the oracle: quantization error belongs to the input
         k_ctx, v_ctx = (dequantize(quantize_fp8(x, scale, cache_dtype), scale, torch.float32)
@@ -89,13 +84,9 @@ def build_batch(shape: DrafterShape, num_reqs: int, block: int, context_len: int
     q = randn(tokens, shape.num_q_heads, shape.head_dim)
     k_new = randn(tokens, shape.num_kv_heads, shape.head_dim)
     v_new = randn(tokens, shape.num_kv_heads, shape.head_dim)
-    batch = VarlenBatch(
-        torch.arange(0, tokens + 1, block, dtype=torch.int32, device=device),
-        torch.full((num_reqs,), context_len + block, dtype=torch.int32, device=device), rings,
-        max_query_len=block, max_seq_len=context_len + block, table_period=plan.num_blocks, mode=BatchMode.DRAFT_BLOCK,
-    )  # fmt: skip
-    args = {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache, "batch": batch,
-            "window": shape.window, "causal": False, **scales}  # fmt: skip
+    args = {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": pool.k_cache, "v_cache": pool.v_cache,
+            "batch": pool.batch([context_len] * num_reqs, block, mode=BatchMode.DRAFT_BLOCK), "window": shape.window,
+            "causal": False, **scales}  # fmt: skip
     # dense layout [N, H, L, D]: context then the block's own keys
     k_blk, v_blk = (x.view(num_reqs, block, *x.shape[1:]).to(k_ctx.dtype) for x in (k_new, v_new))
     k_dense = torch.cat([k_ctx, k_blk], 1).transpose(1, 2)
@@ -363,9 +354,10 @@ def prefill_rows(device, smoke: bool, budget_s: float) -> list[dict]:
     row really sees (``2 * Hq * sum(visible keys) * (D + Dv)``). Gate: the dense oracle pair (fp64 and bf16) over
     slices of 512 queries."""
     import torch
-    from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, ring_write
+    from ringkv.kernels import BatchMode, RingPlan, ring_attention
     from ringkv.kernels.oracle import oracle_pair
     from ringkv.kernels.ring_geometry import visible
+    from ringkv.kernels.ring_pool import RingPool
     from ringkv.kernels.tolerance import attention_error
 
     shape = SMOKE_SHAPE if smoke else ISSUE_55800
@@ -379,22 +371,16 @@ def prefill_rows(device, smoke: bool, budget_s: float) -> list[dict]:
         def randn(*size: int, generator=generator):
             return torch.randn(*size, generator=generator, device=device).to(dtype)
 
-        plan = RingPlan(window, shape.block_size, 1)
-        k_cache = torch.full((plan.num_blocks + 1, shape.block_size, shape.num_kv_heads, shape.head_dim), float("nan"),
-                             dtype=dtype, device=device)  # fmt: skip
-        v_cache = torch.full_like(k_cache, float("nan"))
-        ring = torch.arange(1, plan.num_blocks + 1, dtype=torch.int32, device=device)
+        pool = RingPool.allocate(RingPlan(window, shape.block_size, 1), 1, num_kv_heads=shape.num_kv_heads,
+                                 head_dim=shape.head_dim, dtype=dtype, device=device)  # fmt: skip
         history = torch.arange(context_len - (window - 1), context_len, device=device)
         k_hist, v_hist = (randn(len(history), shape.num_kv_heads, shape.head_dim) for _ in range(2))
-        ring_write(k_hist, v_hist, k_cache, v_cache, plan.slot_mapping(history, ring, seq_len=context_len))
+        pool.write(0, history, k_hist, v_hist, seq_len=context_len)
         q = randn(chunk, shape.num_q_heads, shape.head_dim)
         k_new, v_new = (randn(chunk, shape.num_kv_heads, shape.head_dim) for _ in range(2))
-        starts = torch.tensor([0, chunk], dtype=torch.int32, device=device)
-        batch = VarlenBatch(starts, torch.tensor([context_len + chunk], dtype=torch.int32, device=device), ring[None],
-                            max_query_len=chunk, max_seq_len=context_len + chunk, table_period=plan.num_blocks,
-                            mode=BatchMode.PREFILL_CHUNK)  # fmt: skip
-        args = {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache, "batch": batch,
-                "window": window, "causal": True}  # fmt: skip
+        args = {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": pool.k_cache, "v_cache": pool.v_cache,
+                "batch": pool.batch([context_len], chunk, mode=BatchMode.PREFILL_CHUNK), "window": window,
+                "causal": True}  # fmt: skip
         out = torch.empty_like(q)
 
         def ringkv_call(args=args, out=out):

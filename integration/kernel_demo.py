@@ -8,7 +8,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-from ringkv.kernels import BatchMode, VarlenBatch, ring_attention, ring_attention_reference, ring_write
+from ringkv.kernels import BatchMode, ring_attention, ring_attention_reference
+from ringkv.kernels.ring_pool import RingPool
 from ringkv.kernels.shapes import DrafterShape
 from ringkv.kernels.tolerance import ErrorReport, attention_error
 
@@ -55,30 +56,21 @@ def attention_step(shape: DrafterShape, last_position: int, device: torch.device
     plan = shape.plan
     block = plan.lookahead
     context_len = last_position + 1 - block
-    num_blocks = 2 * plan.num_blocks + 1
-    pool_shape = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
-    k_cache = torch.full(pool_shape, float("nan"), dtype=DTYPE, device=device)
-    v_cache = torch.full(pool_shape, float("nan"), dtype=DTYPE, device=device)
-    ring = (torch.randperm(num_blocks - 1, generator=generator)[: plan.num_blocks] + 1).to(torch.int32)
+    pool = RingPool.allocate(plan, 1, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=DTYPE,
+                             device=device, num_blocks=2 * plan.num_blocks + 1, generator=generator)  # fmt: skip
     chunk = torch.arange(max(0, context_len - 8192), context_len)
-    slots = plan.slot_mapping(chunk, ring, seq_len=context_len)
 
     def rand(*size: int) -> torch.Tensor:
         return torch.randn(*size, generator=generator).to(DTYPE).to(device)
 
     rows = (len(chunk), shape.num_kv_heads, shape.head_dim)
-    ring_write(rand(*rows), rand(*rows), k_cache, v_cache, slots.to(device))
+    slots = pool.write(0, chunk, rand(*rows), rand(*rows), seq_len=context_len)
     args = {
         "q": rand(block, shape.num_q_heads, shape.head_dim),
         "k_new": rand(block, shape.num_kv_heads, shape.head_dim),
         "v_new": rand(block, shape.num_kv_heads, shape.head_dim),
-        "k_cache": k_cache, "v_cache": v_cache,
-        "batch": VarlenBatch(
-            torch.tensor([0, block], dtype=torch.int32, device=device),
-            torch.tensor([context_len + block], dtype=torch.int32, device=device), ring[None].to(device),
-            max_query_len=block, max_seq_len=context_len + block, table_period=plan.num_blocks,
-            mode=BatchMode.DRAFT_BLOCK,
-        ),
+        "k_cache": pool.k_cache, "v_cache": pool.v_cache,
+        "batch": pool.batch([context_len], block, mode=BatchMode.DRAFT_BLOCK),
         "window": shape.window, "causal": False,
     }  # fmt: skip
     start = time.perf_counter()

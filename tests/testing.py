@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 import triton
-from ringkv.kernels.attention_inputs import KV_STRIDE_ELEMENTS
 from ringkv.kernels.kv_quant import dequantize, quantize_fp8
 from ringkv.kernels.oracle import oracle_pair
 from ringkv.kernels.reference import ring_attention_reference, ring_write_reference
 from ringkv.kernels.ring_geometry import RingPlan, first_visible_position
+from ringkv.kernels.ring_pool import RingPool, aligned_cache
 from ringkv.kernels.tolerance import attention_error
 from ringkv.kernels.varlen import BatchMode, VarlenBatch
 
@@ -80,13 +80,6 @@ class RingCase:
         return [s - n for s, n in zip(self.seq_lens.tolist(), lens, strict=True)]
 
 
-def aligned_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A NaN-filled ``[num_blocks, bs, H, D]`` view of storage with D padded to a multiple of 16 elements (fp8:
-    the NaN byte 0x7F)."""
-    padded = triton.cdiv(shape[-1], KV_STRIDE_ELEMENTS) * KV_STRIDE_ELEMENTS
-    return torch.full((*shape[:-1], padded), NAN, dtype=dtype, device=device)[..., : shape[-1]]
-
-
 def make_ring_case(
     requests: list[tuple[int, int]],
     *,
@@ -109,12 +102,11 @@ def make_ring_case(
     """Build a batch: request ``r`` has context_len ``P_r`` positions and ``B_r`` queries (a draft block, or a
     prefill chunk with ``mode=BatchMode.PREFILL_CHUNK``).
 
-    The pool is NaN everywhere except the live context ``[max(0, P-W+1), P)`` of each request, written
-    through ``RingPlan.slot_mapping``; physical blocks are a random permutation of a 2x-oversized pool
-    (block 0 is a NaN "null block"). ``full_rows`` gives vLLM-style logical rows (dead blocks -> 0) instead of
-    compact R-column rows. ``history_fn(positions) -> (k, v)`` overrides the random history values.
-    The caches are ``[..., :D]`` views of storage whose head dim is padded (with NaN) to a multiple of 16
-    elements, the alignment the kernels require (``check_kv_alignment``).
+    The pool (``RingPool.allocate``: NaN, head dim padded to the kernels' 16-element alignment, block 0 a NaN
+    "null block", rings a random permutation of a 2x-oversized pool) is NaN everywhere except the live context
+    ``[max(0, P-W+1), P)`` of each request, written through ``RingPlan.slot_mapping``. ``full_rows`` gives
+    vLLM-style logical rows (dead blocks -> 0) instead of compact R-column rows. ``history_fn(positions) -> (k, v)``
+    overrides the random history values.
     ``kv_dtype`` (float8_e4m3fn / float8_e5m2) makes the caches fp8 with random per-case scales; the history the
     oracle sees is then the dequantized ring (quantization error belongs to the input, not to the kernel).
     """
@@ -124,17 +116,16 @@ def make_ring_case(
     # a window beyond every position (full attention) keeps all of them: size the ring for what exists
     plan = RingPlan(window=min(window, max(p + b for p, b in requests)), block_size=block_size, lookahead=lookahead)
     ring_blocks = plan.num_blocks
-    num_reqs = len(requests)
-    num_blocks = 2 * ring_blocks * num_reqs + 1
-    cache_dtype = dtype if kv_dtype is None else kv_dtype
-    k_cache = aligned_cache((num_blocks, block_size, num_kv_heads, head_dim), cache_dtype)
-    v_cache = aligned_cache((num_blocks, block_size, num_kv_heads, head_dim_v), cache_dtype)
     scales: dict[str, torch.Tensor] = {}
     if kv_dtype is not None:
         # scales that put randn rows over most of the fp8 range (and a few e4m3 rows past it: saturation)
         scales = {name: torch.rand(1, generator=generator) * 0.05 + 0.005 for name in ("k_scale", "v_scale")}
-    physical = (torch.randperm(num_blocks - 1, generator=generator) + 1)[: ring_blocks * num_reqs]
-    rings = physical.view(num_reqs, ring_blocks).to(torch.int32)
+    pool = RingPool.allocate(
+        plan, len(requests), num_kv_heads=num_kv_heads, head_dim=head_dim, head_dim_v=head_dim_v,
+        dtype=dtype if kv_dtype is None else kv_dtype, num_blocks=2 * ring_blocks * len(requests) + 1,
+        generator=generator,
+    )  # fmt: skip
+    k_cache, v_cache, rings = pool.k_cache, pool.v_cache, pool.rings
     if full_rows:
         width = max(triton.cdiv(p + b, block_size) for p, b in requests) + 1
         logical = torch.arange(width)

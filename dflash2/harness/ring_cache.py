@@ -11,17 +11,11 @@ from typing import Literal
 import torch
 from ringkv.dflash2.config import DFlashConfig, LayerAttention
 from ringkv.dflash2.model import DraftBlocks
-from ringkv.kernels import (
-    BatchMode,
-    VarlenBatch,
-    ring_attention,
-    ring_attention_reference,
-    ring_write,
-    ring_write_reference,
-)
+from ringkv.kernels import BatchMode, ring_attention, ring_attention_reference, ring_write, ring_write_reference
 from ringkv.kernels.kv_quant import fp8_dtype_of
 from ringkv.kernels.oracle import dense_history_attention
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, RingPlan
+from ringkv.kernels.ring_pool import RingPool
 
 
 class DraftKVCache:
@@ -62,28 +56,26 @@ class DraftKVCache:
         self.scales = {} if fp8 is None else {
             name: torch.full((1,), value, dtype=torch.float32, device=self.device)
             for name, value in (("k_scale", k_scale), ("v_scale", v_scale))}  # fmt: skip
-        shape = (config.num_kv_heads, config.head_dim)
-        self.plans: list[RingPlan | None] = []
-        self.rings: list[torch.Tensor | None] = []
+        # never-written slots are NaN (fp8: its NaN byte): a read of one poisons the output
+        self.pools: list[RingPool | None] = []
         self.storage: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in config.layers:
             if mode == "ring" and layer.ring_backed:
-                plan = RingPlan(layer.window, kv_block_size, config.block_size)
-                blocks = num_requests * plan.num_blocks + 1
-                ring_ids = torch.arange(1, blocks, dtype=torch.int32, device=self.device)
-                self.rings.append(ring_ids.view(num_requests, plan.num_blocks))
-                pool = (blocks, kv_block_size, *shape)
-            else:
-                if max_positions is None:
-                    raise ValueError("a full cache (mode='full' or a full-attention layer) needs max_positions")
-                plan = None
-                self.rings.append(None)
-                pool = (num_requests, max_positions, *shape)
-            self.plans.append(plan)
-            # never-written slots are NaN (fp8: its NaN byte): a read of one poisons the output
-            stored = fp8 if plan is not None and fp8 is not None else dtype
-            self.storage.append(tuple(torch.full(pool, float("nan"), dtype=dtype, device=self.device).to(stored)
+                pool = RingPool.allocate(
+                    RingPlan(layer.window, kv_block_size, config.block_size), num_requests,
+                    num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                    dtype=dtype if fp8 is None else fp8, device=self.device,
+                )  # fmt: skip
+                self.pools.append(pool)
+                self.storage.append((pool.k_cache, pool.v_cache))
+                continue
+            if max_positions is None:
+                raise ValueError("a full cache (mode='full' or a full-attention layer) needs max_positions")
+            self.pools.append(None)
+            full = (num_requests, max_positions, config.num_kv_heads, config.head_dim)
+            self.storage.append(tuple(torch.full(full, float("nan"), dtype=dtype, device=self.device)
                                       for _ in range(2)))  # fmt: skip
+        self.plans: list[RingPlan | None] = [None if pool is None else pool.plan for pool in self.pools]
 
     def nbytes(self) -> int:
         """Bytes of K/V storage."""
@@ -91,13 +83,13 @@ class DraftKVCache:
 
     def write(self, layer: int, request: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Context rows at consecutive ``positions``; ring layers drop positions that are dead."""
-        plan, ring = self.plans[layer], self.rings[layer]
+        pool = self.pools[layer]
         k_store, v_store = self.storage[layer]
-        if plan is None:
+        if pool is None:
             k_store[request, positions] = k.to(self.dtype)
             v_store[request, positions] = v.to(self.dtype)
             return
-        slots = plan.slot_mapping(positions.to(self.device), ring[request], seq_len=int(positions[-1]) + 1)
+        slots = pool.slot_mapping(positions, request, seq_len=int(positions[-1]) + 1)
         keep = slots >= 0
         # only live rows travel to the kernel (a chunk longer than the ring is mostly dead)
         rows = (k.to(self.dtype)[keep].contiguous(), v.to(self.dtype)[keep].contiguous())
@@ -114,21 +106,19 @@ class DraftKVCache:
                 raise ValueError(f"request {request} is outside this cache's {self.num_requests} requests")
         spec: LayerAttention = self.config.layers[layer]
         window = spec.window or UNBOUNDED_WINDOW
-        plan, ring = self.plans[layer], self.rings[layer]
+        pool = self.pools[layer]
         k_store, v_store = self.storage[layer]
-        starts = torch.arange(0, block * len(context_lens) + 1, block, dtype=torch.int32, device=self.device)
-        seq_lens = torch.tensor([p + block for p in context_lens], dtype=torch.int32, device=self.device)
-        if plan is None:
+        if pool is None:
             # the dense oracle over every kept position, in the cache's precision (at least fp32)
+            starts = torch.arange(0, block * len(context_lens) + 1, block, dtype=torch.int32, device=self.device)
+            seq_lens = torch.tensor([p + block for p in context_lens], dtype=torch.int32, device=self.device)
             histories = [(0, k_store[request], v_store[request]) for request in requests]
             return dense_history_attention(
                 q, k_new, v_new, histories, starts, seq_lens,
                 window=window, causal=spec.causal, scale=self.scale,
                 compute_dtype=torch.promote_types(self.dtype, torch.float32),
             ).to(q.dtype)  # fmt: skip
-        rows = ring[torch.tensor(list(requests), device=self.device)]
-        batch = VarlenBatch(starts, seq_lens, rows, max_query_len=block, max_seq_len=max(context_lens) + block,
-                            table_period=plan.num_blocks, mode=BatchMode.DRAFT_BLOCK)  # fmt: skip
+        batch = pool.batch(context_lens, block, mode=BatchMode.DRAFT_BLOCK, requests=requests)
         args = (q.to(self.dtype), k_new.to(self.dtype), v_new.to(self.dtype), k_store, v_store, batch)
         options = {"window": window, "causal": spec.causal, "scale": self.scale, **self.scales}
         if self.attention == "triton":

@@ -9,13 +9,12 @@ import torch
 from ringkv.kernels import (
     BatchMode,
     RingPlan,
-    VarlenBatch,
     ring_attention,
     ring_attention_reference,
-    ring_write,
 )
 from ringkv.kernels.kv_quant import quantize_fp8
 from ringkv.kernels.ring_geometry import PAD_SLOT, UNBOUNDED_WINDOW, first_visible_position
+from ringkv.kernels.ring_pool import RingPool
 
 from tests.testing import (
     assert_attention_close,
@@ -161,17 +160,17 @@ def test_ring_reads_beyond_2_31_elements(kind, device):
     num_blocks = 2**31 // (bs * head_dim) + 64  # > 2^31 elements (4 GiB of fp16) of K
     # untouched pages of torch.empty are never materialised, so this costs almost no memory
     k_cache, v_cache = (torch.empty(num_blocks, bs, 1, head_dim, dtype=torch.float16, device=device) for _ in range(2))
+    # the pool's last R blocks, not RingPool.allocate's NaN fill (it would materialise both 4 GiB caches)
     ring = torch.arange(num_blocks - plan.num_blocks, num_blocks, dtype=torch.int32, device=device)
+    pool = RingPool(plan, k_cache, v_cache, ring[None])
     generator = torch.Generator().manual_seed(7)
     positions = torch.arange(context - (window - 1), context)
     rows = [torch.randn(len(positions), 1, head_dim, generator=generator).half().to(device) for _ in range(2)]
-    ring_write(*rows, k_cache, v_cache, plan.slot_mapping(positions.to(device), ring, seq_len=context))
+    pool.write(0, positions, *rows, seq_len=context)
     q = torch.randn(queries, 4, head_dim, generator=generator).half().to(device)
     k_new, v_new = (torch.randn(queries, 1, head_dim, generator=generator).half().to(device) for _ in range(2))
     mode = BatchMode.DRAFT_BLOCK if kind == "draft" else BatchMode.PREFILL_CHUNK
-    batch = VarlenBatch.build(torch.tensor([0, queries], dtype=torch.int32, device=device),
-                              torch.tensor([context + queries], dtype=torch.int32, device=device), ring[None],
-                              mode=mode, table_period=plan.num_blocks)  # fmt: skip
+    batch = pool.batch([context], queries, mode=mode)
     args = {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache, "batch": batch,
             "window": window, "causal": True}  # fmt: skip
     out = ring_attention(**args)

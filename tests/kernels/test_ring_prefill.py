@@ -10,9 +10,9 @@ import pytest
 import torch
 from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW
+from ringkv.kernels.ring_pool import RingPool
 
 from tests.testing import (
-    NAN,
     assert_attention_close,
     assert_kernel_matches_reference,
     make_ring_case,
@@ -54,23 +54,18 @@ def test_chunks_through_the_ring_then_decode_match_full_history(causal, device):
     window, bs, hq, hkv, d = 24, 8, 4, 2, 16
     plan = RingPlan(window, bs, lookahead=4)
     generator = torch.Generator().manual_seed(3)
-    num_blocks = 2 * plan.num_blocks + 1
-    k_cache = torch.full((num_blocks, bs, hkv, d), NAN, device=device)
-    v_cache = torch.full_like(k_cache, NAN)
-    table = (torch.randperm(num_blocks - 1, generator=generator)[: 2 * plan.num_blocks] + 1).view(2, -1)
-    table = table.to(torch.int32).to(device)
+    pool = RingPool.allocate(plan, 2, num_kv_heads=hkv, head_dim=d, device=device, num_blocks=2 * plan.num_blocks + 1,
+                             generator=generator)  # fmt: skip
     history = [(torch.zeros(0, hkv, d), torch.zeros(0, hkv, d)) for _ in range(2)]
     for chunks in [(5, 150), (1, 90), (150, 1)]:
         context_lens = [len(h[0]) for h in history]
         rows = [torch.randn(c, hkv, d, generator=generator) for c in chunks]
         vals = [torch.randn(c, hkv, d, generator=generator) for c in chunks]
         q = torch.randn(sum(chunks), hq, d, generator=generator)
-        starts = torch.tensor([0, chunks[0], sum(chunks)], dtype=torch.int32)
-        seq_lens = torch.tensor([p + c for p, c in zip(context_lens, chunks, strict=True)], dtype=torch.int32)
-        batch = VarlenBatch.build(starts.to(device), seq_lens.to(device), table, mode=BatchMode.PREFILL_CHUNK,
-                                  table_period=plan.num_blocks)  # fmt: skip
+        batch = pool.batch(context_lens, chunks, mode=BatchMode.PREFILL_CHUNK)
+        starts, seq_lens = batch.query_start_loc.cpu(), batch.seq_lens.cpu()
         out = ring_attention(
-            q.to(device), torch.cat(rows).to(device), torch.cat(vals).to(device), k_cache, v_cache, batch,
+            q.to(device), torch.cat(rows).to(device), torch.cat(vals).to(device), pool.k_cache, pool.v_cache, batch,
             window=window, causal=causal, write_ring=True,
         )  # fmt: skip
         for r in range(2):
@@ -87,13 +82,9 @@ def test_chunks_through_the_ring_then_decode_match_full_history(causal, device):
         torch.randn(2 * block, hkv, d, generator=generator),
         torch.randn(2 * block, hkv, d, generator=generator),
     )
-    batch = VarlenBatch.build(
-        torch.tensor([0, block, 2 * block], dtype=torch.int32, device=device),
-        torch.tensor([p + block for p in context_lens], dtype=torch.int32, device=device),
-        table, mode=BatchMode.DRAFT_BLOCK, table_period=plan.num_blocks,
-    )  # fmt: skip
-    out = ring_attention(q.to(device), k_new.to(device), v_new.to(device), k_cache, v_cache, batch, window=window,
-                         causal=causal)  # fmt: skip
+    batch = pool.batch(context_lens, block, mode=BatchMode.DRAFT_BLOCK)
+    out = ring_attention(q.to(device), k_new.to(device), v_new.to(device), pool.k_cache, pool.v_cache, batch,
+                         window=window, causal=causal)  # fmt: skip
     hi, lo = oracle_pair(q, k_new, v_new, [(0, *h) for h in history], batch.query_start_loc, batch.seq_lens,
                          window=window, causal=causal)  # fmt: skip
     assert_attention_close(out.cpu(), hi, lo, name="decode after prefill chunks")

@@ -1,0 +1,137 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A NaN-poisoned pool of ring KV blocks: the setup the tests, the benchmarks, the demo and the drafter harness share.
+
+``RingPool.allocate`` gives each of ``num_reqs`` requests a ring of ``R = plan.num_blocks`` physical blocks (a compact
+row, ``table_period = R``) in one ``[num_blocks, bs, Hkv, D]`` K/V pool that is NaN everywhere (fp8: the NaN byte
+0x7F), so a read of any slot nothing wrote poisons the output. Block 0 is the null block and never in a ring. The
+caches are ``[..., :D]`` views of storage whose head dim is padded to ``KV_STRIDE_ELEMENTS`` (the kernels' 16-byte
+alignment, ``check_kv_alignment``); the pad is a NaN guard band. ``write`` stores rows through the plan's slot
+mapping (dead positions PAD) and ``batch`` builds the ``VarlenBatch`` of queries over the rings.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .attention_inputs import KV_STRIDE_ELEMENTS
+from .ring_geometry import RingPlan
+from .ring_write import ring_write
+from .varlen import BatchMode, VarlenBatch
+
+
+def aligned_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A NaN-filled ``[..., D]`` view of storage whose last dim is padded to a multiple of ``KV_STRIDE_ELEMENTS``
+    (fp8: the NaN byte 0x7F)."""
+    padded = triton.cdiv(shape[-1], KV_STRIDE_ELEMENTS) * KV_STRIDE_ELEMENTS
+    return torch.full((*shape[:-1], padded), float("nan"), dtype=dtype, device=device)[..., : shape[-1]]
+
+
+@dataclass(frozen=True)
+class RingPool:
+    """Ring K/V of ``num_reqs`` requests in one pool.
+
+    Attributes:
+        plan: the rings' geometry (``R = plan.num_blocks`` blocks per request).
+        k_cache: [num_blocks, bs, Hkv, D] K cache (any strides the kernels take).
+        v_cache: [num_blocks, bs, Hkv, Dv] V cache.
+        rings: [num_reqs, R] int32 physical block ids: request ``r``'s compact ring row.
+    """
+
+    plan: RingPlan
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    rings: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls,
+        plan: RingPlan,
+        num_reqs: int,
+        *,
+        num_kv_heads: int,
+        head_dim: int,
+        head_dim_v: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        num_blocks: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> RingPool:
+        """A NaN pool of ``num_blocks`` blocks (default ``1 + num_reqs * R``: the null block and the rings).
+
+        Rings take blocks ``1 ..`` in order, or, given ``generator``, the first ``num_reqs * R`` of a random
+        permutation of blocks ``1 .. num_blocks - 1`` (drawn on the generator's device; the other blocks stay NaN).
+        ``dtype`` is the caches' (fp8 for an fp8 ring).
+        """
+        ring_blocks = num_reqs * plan.num_blocks
+        num_blocks = 1 + ring_blocks if num_blocks is None else num_blocks
+        if num_blocks < 1 + ring_blocks:
+            raise ValueError(f"num_blocks={num_blocks} cannot hold the null block and {num_reqs} rings of "
+                             f"R={plan.num_blocks} blocks; pass num_blocks >= {1 + ring_blocks}")  # fmt: skip
+        if generator is None:
+            physical = torch.arange(1, 1 + ring_blocks)
+        else:
+            physical = (torch.randperm(num_blocks - 1, generator=generator, device=generator.device) + 1)[:ring_blocks]
+        rings = physical.view(num_reqs, plan.num_blocks).to(torch.int32).to(device)
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        caches = (aligned_cache((num_blocks, plan.block_size, num_kv_heads, d), dtype, device)
+                  for d in (head_dim, head_dim_v))  # fmt: skip
+        return cls(plan, *caches, rings)
+
+    @property
+    def num_reqs(self) -> int:
+        """Requests with a ring (rows of ``rings``)."""
+        return self.rings.shape[0]
+
+    def slot_mapping(
+        self, positions: torch.Tensor, request: int = 0, *, seq_len: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        """``RingPlan.slot_mapping`` of ``positions`` through request ``request``'s ring, on the pool's device."""
+        return self.plan.slot_mapping(positions.to(self.rings.device), self.rings[request], seq_len=seq_len)
+
+    def write(
+        self,
+        request: int,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        seq_len: int,
+        **scales: torch.Tensor,
+    ) -> torch.Tensor:
+        """``ring_write`` of request ``request``'s rows ``k`` / ``v`` ([T, Hkv, D|Dv]) at ``positions`` by a batch
+        ending at ``seq_len`` (positions before ``seq_len - (W - 1)`` are dead: not stored). ``scales``: fp8
+        ``k_scale`` / ``v_scale``. Returns the slot mapping it wrote through (PAD = -1)."""
+        slots = self.slot_mapping(positions, request, seq_len=seq_len)
+        ring_write(k, v, self.k_cache, self.v_cache, slots, **scales)
+        return slots
+
+    def batch(
+        self,
+        context_lens: Sequence[int],
+        query_lens: Sequence[int] | int,
+        *,
+        mode: BatchMode,
+        requests: Sequence[int] | None = None,
+    ) -> VarlenBatch:
+        """Request ``i`` of the batch: ``query_lens[i]`` query rows (back to back) at positions
+        ``context_lens[i] ..``, over the ring of request ``requests[i]`` (default ``i``). Bounds come from the host
+        lists: no device sync."""
+        if isinstance(query_lens, int):
+            query_lens = [query_lens] * len(context_lens)
+        device = self.rings.device
+        seq_lens = [p + n for p, n in zip(context_lens, query_lens, strict=True)]
+        if requests is None:
+            rows = self.rings[: len(context_lens)]
+        else:
+            rows = self.rings[torch.tensor(list(requests), device=device)]
+        return VarlenBatch(
+            torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device),
+            torch.tensor(seq_lens, dtype=torch.int32, device=device), rows,
+            max_query_len=max([1, *query_lens]), max_seq_len=max(seq_lens, default=0),
+            table_period=self.plan.num_blocks, mode=mode,
+        )  # fmt: skip
