@@ -10,4 +10,4 @@ for folder in kernels dflash2 integration bench; do
   ln -s "$checkout/$folder" "$root/ringkv/$folder"
 done
 cd "$checkout"
-PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec python3 -m ringkv.integration.cli bench gpu-check "$@"
+PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec python3 -m ringkv.bench.cli bench gpu-check "$@"

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Instrumentation for engine-level runs, installed in every vLLM process by the ``ringkv_e2e_probe`` entry
-point when ``RINGKV_E2E_PROBE`` names a JSON probe config (``ProbeConfig``); a no-op otherwise.
+"""Instrumentation for engine-level runs, installed in every vLLM process of a run by the ``ringkv_e2e_probe``
+entry point the e2e worker declares for its run alone (``declare_plugin``; no install of ringkv carries it) when
+``RINGKV_E2E_PROBE`` names a JSON probe config (``ProbeConfig``); a no-op otherwise.
 
 Per process it records, and writes to ``<dir>/probe-<pid>.pt`` when the scheduler or a worker shuts down:
 - calls of ringkv's impl per layer (``forward``, ``do_kv_cache_update``);
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 ENV = "RINGKV_E2E_PROBE"
+PLUGIN = "ringkv_e2e_probe"
 
 
 @dataclass
@@ -215,6 +217,18 @@ def _worker_probes() -> None:
     from vllm.v1.worker.gpu_worker import Worker
 
     _wrap(Worker, "shutdown", _saving_first)
+
+
+def declare_plugin(directory: Path) -> Path:
+    """Write into ``directory`` a ``dist-info`` declaring ``install`` as the ``vllm.general_plugins`` entry point
+    ``ringkv_e2e_probe``, and return ``directory``. vLLM finds general plugins through entry points only, and
+    ``importlib.metadata`` reads ``*.dist-info/entry_points.txt`` in every ``sys.path`` folder: with ``directory``
+    on ``sys.path`` (and on ``PYTHONPATH`` for the processes vLLM starts) every vLLM process of the run loads it."""
+    info = directory / f"{PLUGIN}-0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {PLUGIN}\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN} = {__name__}:install\n")
+    return directory
 
 
 def install() -> None:

@@ -2,9 +2,11 @@
 """One engine run in its own process: ``python -m ringkv.integration.e2e.worker SPEC.json`` (an ``EngineRunSpec``).
 
 vLLM keeps process-wide state (its platform, backend cache, distributed groups), so every configuration gets a
-fresh process. The requests go in waves through ``LLMEngine``'s own loop (``add_request`` / ``step`` /
-``abort_request``), each wave once the previous one finished. Prints one line ``RESULT {json}``: the prompts
-submitted and their greedy tokens, vLLM's spec-decode, prefix-cache and preemption counters, and timings.
+fresh process. With a probe config the worker declares the probe's plugin for its run (``probe_on_path``) before
+vLLM is imported, so the engine core and every tensor-parallel worker vLLM starts load it. The requests go in waves
+through ``LLMEngine``'s own loop (``add_request`` / ``step`` / ``abort_request``), each wave once the previous one
+finished. Prints one line ``RESULT {json}``: the prompts submitted and their greedy tokens, vLLM's spec-decode,
+prefix-cache and preemption counters, and timings.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -74,6 +77,17 @@ def engine_environment(spec: EngineRunSpec) -> dict[str, str]:
     if spec.probe is not None:
         env["RINGKV_E2E_PROBE"] = json.dumps(spec.probe)
     return env
+
+
+def probe_on_path(directory: Path) -> None:
+    """Declare the probe's ``vllm.general_plugins`` entry point in ``directory`` and put it on this process's
+    ``sys.path`` and on ``PYTHONPATH``, which the processes vLLM starts (engine core, tensor-parallel workers)
+    inherit: the probe loads in this run's processes only, never in a user's vLLM."""
+    from .probe import declare_plugin
+
+    path = str(declare_plugin(directory))
+    sys.path.insert(0, path)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)
 
 
 def speculative_tokens(spec: EngineRunSpec) -> int:
@@ -205,7 +219,11 @@ def main(argv: list[str]) -> None:
     if spec.drafter_backend not in DRAFTER_BACKENDS:
         raise SystemExit(f"drafter_backend={spec.drafter_backend!r}; use one of {DRAFTER_BACKENDS}")
     os.environ.update(engine_environment(spec))
-    sys.stdout.write(RESULT_PREFIX + json.dumps({"spec": asdict(spec), **run(spec)}) + "\n")
+    with tempfile.TemporaryDirectory(prefix="ringkv-e2e-plugin-") as plugins:
+        if spec.probe is not None:
+            probe_on_path(Path(plugins))
+        result = run(spec)
+    sys.stdout.write(RESULT_PREFIX + json.dumps({"spec": asdict(spec), **result}) + "\n")
     sys.stdout.flush()
 
 

@@ -19,7 +19,7 @@ def run_report(tmp_path: Path, *options: str) -> tuple[list[dict], dict, str]:
     # compiled kernels, not the interpreter tests/conftest.py chose for this process
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-m", "ringkv.integration.cli", "bench", "compile-report", "--out", str(tmp_path), *options],
+        [sys.executable, "-m", "ringkv.bench.cli", "bench", "compile-report", "--out", str(tmp_path), *options],
         capture_output=True, text=True, timeout=900, env=env,
     )  # fmt: skip
     rows = [json.loads(line) for line in (tmp_path / "compile_report.jsonl").read_text().splitlines()]

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.vllm
 
 
 def test_cpu_figures_quick(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "ringkv.integration.cli", "bench", "cpu-figures", "--quick",
+    done = subprocess.run([sys.executable, "-m", "ringkv.bench.cli", "bench", "cpu-figures", "--quick",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "cpu_figures_quick.jsonl").read_text().splitlines()]

@@ -15,7 +15,7 @@ import pytest
 @pytest.mark.interpreter
 def test_gpu_check_smoke(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "ringkv.integration.cli", "bench", "gpu-check", "--smoke", "--out", str(tmp_path)],
+        [sys.executable, "-m", "ringkv.bench.cli", "bench", "gpu-check", "--smoke", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env={"TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from ringkv.bench.cli import app
 from ringkv.bench.load import LoadOptions, workload
-from ringkv.integration.cli import app
 from ringkv.integration.simulation.load import distinct_prefixes
 from typer.testing import CliRunner
 
