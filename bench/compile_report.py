@@ -4,8 +4,10 @@ a launch on that GPU would compile it, with registers, spill bytes, shared memor
 width of every K/V tile load.
 
 How: each launch (``ring_attention`` on draft blocks and on prefill chunks, ``ring_write``) runs on CPU stand-in
-tensors that have a real launch's shapes, strides and 16-byte-aligned buffers; the kernel's ``run`` is intercepted and
-its arguments are bound by Triton's own binder for the target (``create_function_from_signature`` over
+tensors that have a real launch's shapes, strides and 16-byte-aligned buffers, in two layouts (``LAYOUTS``): compact
+R-column ring rows, and what the vLLM plugin launches (full logical rows of vLLM's block table, its per-layer cache,
+packed q/k/v; a table width that is a multiple of 16 specialises the attention kernel). The kernel's ``run`` is
+intercepted and its arguments are bound by Triton's own binder for the target (``create_function_from_signature`` over
 ``native_specialize_impl``: ``tt.divisibility=16`` on pointers and ints divisible by 16, 1-valued ints as
 constants, ``do_not_specialize`` honoured), then ``triton.compile`` builds the cubin. A bare ``ASTSource``
 without that specialisation compiles a different, worse kernel (``design/performance.md``).
@@ -177,6 +179,8 @@ class NativeLaunches:
         self.kv_lines = kv_lines
         self.cache: dict[tuple[str, str], Compiled] = {}
         self.launched: list[tuple[str, str, tuple]] = []  # (kernel, key, grid) per launch
+        # (kernel, key) -> the binder's specialisation of each runtime argument, e.g. "i32 D" (divisible by 16)
+        self.specialised: dict[tuple[str, str], dict[str, str]] = {}
 
     def _run(self, kernel: Any) -> Callable[..., None]:
         import triton
@@ -194,6 +198,10 @@ class NativeLaunches:
             bound, specialization, options = binder(*args, **kwargs)
             key = hashlib.sha256(compute_cache_key({}, specialization, options).encode()).hexdigest()[:12]
             self.launched.append((name, key, tuple(grid)))
+            self.specialised.setdefault((name, key), {
+                param.name: " ".join(str(part) for part in spec if part not in (None, ""))
+                for param, spec in zip(kernel.params, specialization, strict=True) if not param.is_constexpr
+            })  # fmt: skip
             if not self.compile or (name, key) in self.cache:
                 return
             options, signature, constexprs, attrs = kernel._pack_args(self.backend, kwargs, bound, specialization,
@@ -262,100 +270,162 @@ def ringkv_kernels() -> list[Any]:
 WINDOW, BLOCK_SIZE, NUM_KV_HEADS, DRAFT_BLOCK, CONTEXT = 2048, 16, 8, 8, 262_136
 # the fp8 ring the report compiles (vLLM's kv_cache_dtype name); rows without "kv" are bf16 rings
 FP8_CASES = "fp8_e4m3"
+# Each launch in two layouts (the rows' "layout"):
+# - "compact": compact R-column ring rows (VarlenBatch table_period=R, R = 130) over contiguous
+#   [num_blocks, bs, Hkv, D] caches: the kernel API's ring (tests, harness, gpu_check);
+# - "plugin": what RingKVImpl launches (integration/vllm): full logical block-table rows (table_period=None, entry
+#   j = ring[j mod R] or the null block, ``vllm_batch``) of vLLM's [num_reqs, cdiv(max_model_len, bs)] table, its
+#   per-layer cache [num_blocks, Hkv, bs, D + Dv] split into K/V views (``split_kv_cache``), q/k/v views of one packed
+#   qkv projection, split scratch from a ``SplitWorkspace``, context rows stored by ``store_rows``. The kernel then
+#   reads table_period = stride_bt_r = the table width; a width that is a multiple of 16 specialises both
+#   (tt.divisibility=16) into another kernel, any other width compiles the compact layout's
+#   (``layout_specialisation``).
+LAYOUTS = ("compact", "plugin")
+# the plugin's table: max_model_len 262,144 (CONTEXT + a draft block) -> cdiv(262,144, bs) = 16,384 columns, a
+# multiple of 16
+PLUGIN_TABLE_WIDTH = 262_144 // BLOCK_SIZE
 
 
-def _caches(num_blocks: int, head_dim: int, dtype: Any, kv_cache_dtype: str | None = None) -> dict[str, Any]:
+def _caches(
+    num_blocks: int, head_dim: int, dtype: Any, kv_cache_dtype: str | None = None, layout: str = "compact"
+) -> dict[str, Any]:
     """Ring cache views (``k_cache``, ``v_cache``) of ``dtype``, or of the fp8 type a vLLM ``kv_cache_dtype``
-    names, with the layer's scales (``k_scale``, ``v_scale``)."""
+    names, with the layer's scales (``k_scale``, ``v_scale``); ``layout="plugin"``: K/V views of vLLM's per-layer
+    cache (an fp8 one allocated as uint8, as vLLM does)."""
     import torch
+    from ringkv.integration.vllm.backend_step import split_kv_cache
     from ringkv.kernels.kv_quant import FP8_KV_CACHE_DTYPES
 
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
-    if kv_cache_dtype is None:
-        return {"k_cache": torch.empty(shape, dtype=dtype), "v_cache": torch.empty(shape, dtype=dtype)}
-    fp8 = FP8_KV_CACHE_DTYPES[kv_cache_dtype]
-    return {"k_cache": torch.empty(shape, dtype=fp8), "v_cache": torch.empty(shape, dtype=fp8),
-            "k_scale": torch.ones(1), "v_scale": torch.ones(1)}  # fmt: skip
+    fp8 = FP8_KV_CACHE_DTYPES[kv_cache_dtype] if kv_cache_dtype is not None else None
+    if layout == "plugin":
+        kv_cache = torch.empty(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * head_dim, dtype=torch.uint8 if fp8 else dtype)
+        k_cache, v_cache = split_kv_cache(kv_cache, head_dim, fp8)
+    else:
+        shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
+        k_cache, v_cache = torch.empty(shape, dtype=fp8 or dtype), torch.empty(shape, dtype=fp8 or dtype)
+    scales = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)} if fp8 else {}
+    return {"k_cache": k_cache, "v_cache": v_cache, **scales}
+
+
+def _qkv(tokens: int, group: int, head_dim: int, layout: str) -> tuple[Any, Any, Any]:
+    """``q [T, Hkv * G, D]``, ``k_new`` / ``v_new [T, Hkv, D]`` in bf16; ``layout="plugin"``: views of one packed
+    ``[T, (Hq + 2 Hkv) D]`` projection, as vLLM's models split it."""
+    import torch
+
+    heads = (NUM_KV_HEADS * group, NUM_KV_HEADS, NUM_KV_HEADS)
+    if layout == "compact":
+        return tuple(torch.empty(tokens, h, head_dim, dtype=torch.bfloat16) for h in heads)
+    qkv = torch.empty(tokens, sum(heads) * head_dim, dtype=torch.bfloat16)
+    parts = qkv.split([h * head_dim for h in heads], dim=-1)
+    return tuple(part.view(tokens, h, head_dim) for part, h in zip(parts, heads, strict=True))
+
+
+def _batch(query_len: int, seq_len: int, num_reqs: int, ring: int, mode: Any, layout: str, width: int) -> Any:
+    """``num_reqs`` requests of ``query_len`` queries ending at ``seq_len``: compact ring rows of ``ring`` columns,
+    or (plugin) ``vllm_batch`` over full rows ``width`` columns wide (block ids never specialise: zeros)."""
+    import torch
+    from ringkv.integration.vllm.backend_step import vllm_batch
+    from ringkv.kernels import VarlenBatch
+
+    query_start_loc = torch.arange(0, num_reqs * query_len + 1, query_len, dtype=torch.int32)
+    seq_lens = torch.full((num_reqs,), seq_len, dtype=torch.int32)
+    if layout == "plugin":
+        batch = vllm_batch(query_start_loc, seq_lens, torch.zeros(num_reqs, width, dtype=torch.int32), query_len,
+                           seq_len)  # fmt: skip
+        assert batch.mode is mode, f"vllm_batch chose {batch.mode} for {query_len} queries per request, not {mode}"
+        return batch
+    return VarlenBatch(query_start_loc, seq_lens, torch.zeros(num_reqs, ring, dtype=torch.int32), query_len, seq_len,
+                       table_period=ring, mode=mode)  # fmt: skip
+
+
+def _scratch(layout: str) -> dict[str, Any]:
+    """The plugin's split scratch: views of a ``SplitWorkspace`` (its metadata builder holds one)."""
+    from ringkv.kernels.ring_attention import SplitWorkspace
+
+    return {"workspace": SplitWorkspace()} if layout == "plugin" else {}
 
 
 def launch_decode(
-    num_reqs: int, group: int, head_dim: int, context: int = CONTEXT, kv_cache_dtype: str | None = None
-) -> None:
+    num_reqs: int, group: int, head_dim: int, context: int = CONTEXT, kv_cache_dtype: str | None = None,
+    layout: str = "compact", width: int = PLUGIN_TABLE_WIDTH,
+) -> None:  # fmt: skip
     """``ring_attention`` on N draft blocks of 8 after ``context`` positions at the DFlash2 ring (W 2048, bs 16,
-    R 130), bf16, non-causal (``kv_cache_dtype``: an fp8 ring, vLLM's name)."""
-    import torch
-    from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention
+    R 130), bf16, non-causal (``kv_cache_dtype``: an fp8 ring, vLLM's name; ``layout``: ``LAYOUTS``, ``width``: the
+    plugin's table width)."""
+    from ringkv.kernels import BatchMode, RingPlan, ring_attention
 
     ring = RingPlan(WINDOW, BLOCK_SIZE, DRAFT_BLOCK).num_blocks
-    tokens = num_reqs * DRAFT_BLOCK
-    q = torch.empty(tokens, NUM_KV_HEADS * group, head_dim, dtype=torch.bfloat16)
-    k_new, v_new = (torch.empty(tokens, NUM_KV_HEADS, head_dim, dtype=torch.bfloat16) for _ in range(2))
-    batch = VarlenBatch(
-        query_start_loc=torch.arange(0, tokens + 1, DRAFT_BLOCK, dtype=torch.int32),
-        seq_lens=torch.full((num_reqs,), context + DRAFT_BLOCK, dtype=torch.int32),
-        block_table=torch.zeros(num_reqs, ring, dtype=torch.int32), max_query_len=DRAFT_BLOCK,
-        max_seq_len=context + DRAFT_BLOCK, table_period=ring, mode=BatchMode.DRAFT_BLOCK,
-    )  # fmt: skip
-    caches = _caches(ring + 1, head_dim, torch.bfloat16, kv_cache_dtype)
-    ring_attention(q, k_new, v_new, batch=batch, window=WINDOW, causal=False, **caches)
+    q, k_new, v_new = _qkv(num_reqs * DRAFT_BLOCK, group, head_dim, layout)
+    batch = _batch(DRAFT_BLOCK, context + DRAFT_BLOCK, num_reqs, ring, BatchMode.DRAFT_BLOCK, layout, width)
+    caches = _caches(ring + 1, head_dim, q.dtype, kv_cache_dtype, layout)
+    ring_attention(q, k_new, v_new, batch=batch, window=WINDOW, causal=False, **caches, **_scratch(layout))
 
 
-def launch_prefill(chunk: int, group: int, head_dim: int, kv_cache_dtype: str | None = None) -> None:
-    """``ring_attention`` of one causal prefill chunk after 8192 positions of history (the kernel only)."""
-    import torch
-    from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention
+def launch_prefill(
+    chunk: int, group: int, head_dim: int, kv_cache_dtype: str | None = None, layout: str = "compact",
+    width: int = PLUGIN_TABLE_WIDTH,
+) -> None:  # fmt: skip
+    """``ring_attention`` of one causal prefill chunk after 8192 positions of history (the kernel only: a target
+    layer's write after it is the ``ring_write`` kernel of ``launch_write``, same tensors)."""
+    from ringkv.kernels import BatchMode, RingPlan, ring_attention
 
     ring = RingPlan(WINDOW, BLOCK_SIZE, 1).num_blocks
-    q = torch.empty(chunk, NUM_KV_HEADS * group, head_dim, dtype=torch.bfloat16)
-    k_new, v_new = (torch.empty(chunk, NUM_KV_HEADS, head_dim, dtype=torch.bfloat16) for _ in range(2))
-    batch = VarlenBatch(
-        query_start_loc=torch.tensor([0, chunk], dtype=torch.int32),
-        seq_lens=torch.tensor([8192 + chunk], dtype=torch.int32), block_table=torch.zeros(1, ring, dtype=torch.int32),
-        max_query_len=chunk, max_seq_len=8192 + chunk, table_period=ring, mode=BatchMode.PREFILL_CHUNK,
-    )  # fmt: skip
-    caches = _caches(ring + 1, head_dim, torch.bfloat16, kv_cache_dtype)
-    ring_attention(q, k_new, v_new, batch=batch, window=WINDOW, causal=True, **caches)
+    q, k_new, v_new = _qkv(chunk, group, head_dim, layout)
+    batch = _batch(chunk, 8192 + chunk, 1, ring, BatchMode.PREFILL_CHUNK, layout, width)
+    caches = _caches(ring + 1, head_dim, q.dtype, kv_cache_dtype, layout)
+    ring_attention(q, k_new, v_new, batch=batch, window=WINDOW, causal=True, **caches, **_scratch(layout))
 
 
-def launch_write(head_dim: int, kv_cache_dtype: str | None = None) -> None:
-    """``ring_write`` of 64 rows (a decode step's context rows for 8 requests)."""
+def launch_write(head_dim: int, kv_cache_dtype: str | None = None, layout: str = "compact") -> None:
+    """``ring_write`` of 64 rows (a decode step's context rows for 8 requests); plugin: ``store_rows``
+    (``do_kv_cache_update``) of K/V views of a packed projection (G 4) into vLLM's cache."""
     import torch
+    from ringkv.integration.vllm.backend_step import store_rows
     from ringkv.kernels import ring_write
 
+    caches = _caches(131, head_dim, torch.bfloat16, kv_cache_dtype, layout)
+    slots = torch.arange(64, dtype=torch.int64)
+    if layout == "plugin":
+        _, k_new, v_new = _qkv(64, 4, head_dim, layout)
+        store_rows(k_new, v_new, slot_mapping=slots, **caches)
+        return
     rows = torch.empty(64, NUM_KV_HEADS, head_dim, dtype=torch.bfloat16)
-    caches = _caches(131, head_dim, torch.bfloat16, kv_cache_dtype)
-    ring_write(rows, rows.clone(), slot_mapping=torch.arange(64, dtype=torch.int64), **caches)
+    ring_write(rows, rows.clone(), slot_mapping=slots, **caches)
 
 
 @dataclass(frozen=True)
 class Case:
     op: str
-    shape: dict[str, int]
+    shape: dict[str, Any]
     launch: Callable[[], None]
 
 
 def cases(quick: bool) -> list[Case]:
-    """The shipped configs: decode N x G x D (B = 8), prefill C x G x D, ring_write D; quick = the CI subset."""
-    groups_dims = [(g, d) for g in (1, 4, 8) for d in (64, 128, 256)]
+    """The shipped configs in both ``LAYOUTS``: decode N x G x D (B = 8), prefill C x G x D, ring_write D, bf16 and
+    fp8 rings; quick = the CI subset (the DFlash2 shape G4 D128 everywhere, bf16 compact also G4 D256)."""
+    all_groups_dims = [(g, d) for g in (1, 4, 8) for d in (64, 128, 256)]
     batch_sizes = (1, 8, 64, 256)
     chunks = (512, 8192)
+    write_dims = (64, 128, 256)
     if quick:
-        groups_dims, batch_sizes, chunks = [(4, 128), (4, 256)], (1, 256), (8192,)
-    out = [Case("decode", {"N": n, "G": g, "D": d}, lambda n=n, g=g, d=d: launch_decode(n, g, d))
-           for g, d in groups_dims for n in batch_sizes]  # fmt: skip
-    out += [Case("prefill", {"C": c, "G": g, "D": d}, lambda c=c, g=g, d=d: launch_prefill(c, g, d))
-            for g, d in groups_dims for c in chunks]  # fmt: skip
-    out += [Case("write", {"D": d}, lambda d=d: launch_write(d)) for d in ((128,) if quick else (64, 128, 256))]
-    # an fp8 e4m3 ring under bf16 compute, gated as bf16: the DFlash2 shapes (quick), every shape (full)
-    fp8_groups_dims = [(4, 128)] if quick else groups_dims
-    out += [Case("decode", {"N": n, "G": g, "D": d, "kv": FP8_CASES},
-                 lambda n=n, g=g, d=d: launch_decode(n, g, d, kv_cache_dtype=FP8_CASES))
-            for g, d in fp8_groups_dims for n in batch_sizes]  # fmt: skip
-    out += [Case("prefill", {"C": c, "G": g, "D": d, "kv": FP8_CASES},
-                 lambda c=c, g=g, d=d: launch_prefill(c, g, d, FP8_CASES))
-            for g, d in fp8_groups_dims for c in chunks]  # fmt: skip
-    out += [Case("write", {"D": d, "kv": FP8_CASES}, lambda d=d: launch_write(d, FP8_CASES))
-            for d in ((128,) if quick else (64, 128, 256))]  # fmt: skip
+        batch_sizes, chunks, write_dims = (1, 256), (8192,), (128,)
+    out = []
+    for layout in LAYOUTS:
+        # an fp8 e4m3 ring under bf16 compute, gated as bf16
+        for kv in (None, FP8_CASES):
+            groups_dims = all_groups_dims
+            if quick:
+                groups_dims = [(4, 128), (4, 256)] if (layout, kv) == ("compact", None) else [(4, 128)]
+            tags = {**({"kv": kv} if kv else {}), "layout": layout}
+            out += [Case("decode", {"N": n, "G": g, "D": d, **tags},
+                         lambda n=n, g=g, d=d, kv=kv, layout=layout: launch_decode(n, g, d, kv_cache_dtype=kv,
+                                                                                   layout=layout))
+                    for g, d in groups_dims for n in batch_sizes]  # fmt: skip
+            out += [Case("prefill", {"C": c, "G": g, "D": d, **tags},
+                         lambda c=c, g=g, d=d, kv=kv, layout=layout: launch_prefill(c, g, d, kv, layout))
+                    for g, d in groups_dims for c in chunks]  # fmt: skip
+            out += [Case("write", {"D": d, **tags}, lambda d=d, kv=kv, layout=layout: launch_write(d, kv, layout))
+                    for d in write_dims]  # fmt: skip
     return out
 
 
@@ -377,19 +447,53 @@ def report_rows(case_list: list[Case], archs: tuple[int, ...]) -> list[dict]:
 
 
 def keys_over_batch(max_reqs: int, groups_dims: list[tuple[int, int]], arch: int = 90) -> dict[str, dict[str, int]]:
-    """Distinct specialisations (= compiled kernels) per decode shape and kernel over N = 1..max_reqs requests,
-    each batch at another context length (positions must not specialise either)."""
+    """Distinct specialisations (= compiled kernels) per decode shape, layout and kernel over N = 1..max_reqs
+    requests, each batch at another context length (positions must not specialise either)."""
     found: dict[str, dict[str, set[str]]] = {}
     native = NativeLaunches(arch, compile=False, kv_lines=None)
     with cpu_stand_ins(), native.intercept(ringkv_kernels()):
-        for group, head_dim in groups_dims:
-            first = len(native.launched)
-            for num_reqs in range(1, max_reqs + 1):
-                launch_decode(num_reqs, group, head_dim, context=num_reqs * 1021 % CONTEXT)
-            per_kernel = found.setdefault(f"G{group}-D{head_dim}", {})
-            for kernel, key, _ in native.launched[first:]:
-                per_kernel.setdefault(kernel, set()).add(key)
+        for layout in LAYOUTS:
+            for group, head_dim in groups_dims:
+                first = len(native.launched)
+                for num_reqs in range(1, max_reqs + 1):
+                    launch_decode(num_reqs, group, head_dim, context=num_reqs * 1021 % CONTEXT, layout=layout)
+                shape = f"G{group}-D{head_dim}" + ("" if layout == "compact" else f"-{layout}")
+                per_kernel = found.setdefault(shape, {})
+                for kernel, key, _ in native.launched[first:]:
+                    per_kernel.setdefault(kernel, set()).add(key)
     return {shape: {kernel: len(keys) for kernel, keys in kernels.items()} for shape, kernels in found.items()}
+
+
+def layout_specialisation(arch: int = 90) -> dict[str, dict[str, Any]]:
+    """How the plugin's launch specialises against the compact layout's, at the DFlash2 decode shape (N 8) and a
+    prefill chunk, for a table width that is a multiple of 16 (max_model_len 262,144) and one that is not (262,160):
+    per kernel, whether it is the compact layout's compiled kernel, and the runtime arguments specialised otherwise
+    (``[compact, plugin]``: type and ``D``, divisible by 16)."""
+    native = NativeLaunches(arch, compile=False, kv_lines=None)
+    launches = {
+        "decode": lambda **kw: launch_decode(8, DFLASH2["G"], DFLASH2["D"], **kw),
+        "prefill": lambda **kw: launch_prefill(8192, DFLASH2["G"], DFLASH2["D"], **kw),
+    }
+    out: dict[str, dict[str, Any]] = {}
+
+    def keys(launch: Callable[..., None], **kwargs: Any) -> list[tuple[str, str]]:
+        first = len(native.launched)
+        launch(**kwargs)
+        return [(kernel, key) for kernel, key, _ in native.launched[first:]]
+
+    with cpu_stand_ins(), native.intercept(ringkv_kernels()):
+        for op, launch in launches.items():
+            compact = keys(launch)
+            for width in (PLUGIN_TABLE_WIDTH, PLUGIN_TABLE_WIDTH + 1):
+                plugin = keys(launch, layout="plugin", width=width)
+                entry = out.setdefault(f"{op} width {width}", {})
+                for (kernel, base), (_, key) in zip(compact, plugin, strict=True):
+                    before, after = native.specialised[(kernel, base)], native.specialised[(kernel, key)]
+                    entry[kernel] = {
+                        "same_kernel": key == base,
+                        "differs": {p: [before[p], after[p]] for p in before if before[p] != after[p]},
+                    }
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -454,7 +558,7 @@ def gate_failures(rows: list[dict]) -> list[str]:
     for row in rows:
         if row["provider"] != "ringkv":
             continue
-        shape = json.dumps({k: row[k] for k in ("N", "C", "G", "D", "kv") if k in row})
+        shape = json.dumps({k: row[k] for k in ("N", "C", "G", "D", "kv", "layout") if k in row})
         name = f"{row['kernel']} {row['op']} {shape} sm_{row['arch']}"
         if row["spill_bytes"]:
             failures.append(f"{name}: {row['spill_bytes']} bytes of spills")
@@ -479,22 +583,32 @@ def _loads_text(loads: dict[str, int] | None) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """One line per (provider, kernel, shape) with sm_90 and sm_100 side by side; batch sizes that compiled to the
-    same kernel are merged."""
+    """One line per (provider, kernel, shape, layout) with sm_90 and sm_100 side by side; batch sizes that compiled
+    to the same kernel are merged, and so are the layouts where they compiled to the same kernels
+    (``compact = plugin``)."""
     merged: dict[tuple, dict] = {}
     for row in rows:
         size = "N" if "N" in row else "C" if "C" in row else None
         shape = tuple((k, row[k]) for k in ("G", "D", "kv") if k in row)
-        ident = (row["provider"], row["op"], row["kernel"], shape)
+        ident = (row["provider"], row["op"], row["kernel"], shape, row.get("layout", "-"))
         entry = merged.setdefault(ident, {"sizes": set(), "arch": {}, "keys": set()})
         if size:
             entry["sizes"].add(f"{size}={row[size]}")
         entry["keys"].add((row["arch"], row["key"]))
         entry["arch"].setdefault(row["arch"], row)
+    # per shape (first seen first): the compact layout's line, then the plugin's, or one line where both compiled to
+    # the same kernels; vLLM's rows have no layout
+    ordered: dict[tuple, dict] = {}
+    for ident in dict.fromkeys(key[:-1] for key in merged):
+        compact, plugin = merged.get((*ident, "compact")), merged.get((*ident, "plugin"))
+        if compact and plugin and compact["keys"] == plugin["keys"]:
+            ordered[(*ident, "compact = plugin")] = {**compact, "sizes": compact["sizes"] | plugin["sizes"]}
+        else:
+            ordered.update({key: entry for key, entry in merged.items() if key[:-1] == ident})
     lines = [
-        "| provider | kernel | shape | sizes (one kernel) | sm_90 regs / spill B / smem KB / CTAs per SM | sm_90 MMA | "
-        "K/V tile loads (sm_90) | sm_100 regs / spill B / smem KB / CTAs per SM | sm_100 MMA |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| provider | kernel | shape | layout | sizes (one kernel) | sm_90 regs / spill B / smem KB / CTAs per SM | "
+        "sm_90 MMA | K/V tile loads (sm_90) | sm_100 regs / spill B / smem KB / CTAs per SM | sm_100 MMA |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def res(row: dict | None) -> str:
@@ -502,7 +616,7 @@ def markdown_table(rows: list[dict]) -> str:
             return "-"
         return f"{row['regs']} / {row['spill_bytes']} / {row['smem_bytes'] / 1024:.0f} / {row['ctas_per_sm']}"
 
-    for (provider, op, kernel, shape), entry in merged.items():
+    for (provider, op, kernel, shape, layout), entry in ordered.items():
         kernels_per_arch = Counter(arch for arch, _ in entry["keys"])
         sizes = ", ".join(sorted(entry["sizes"], key=lambda s: int(s.split("=")[1])))
         if any(n > 1 for n in kernels_per_arch.values()):
@@ -513,7 +627,7 @@ def markdown_table(rows: list[dict]) -> str:
             kv = "all global loads: " + _loads_text(sm90["loads"])
         name = f"{op} {kernel.strip('_')}"
         lines.append(
-            f"| {provider} | {name} | {' '.join(v if k == 'kv' else f'{k}{v}' for k, v in shape) or '-'} | "
+            f"| {provider} | {name} | {' '.join(v if k == 'kv' else f'{k}{v}' for k, v in shape) or '-'} | {layout} | "
             f"{sizes or '-'} | {res(sm90)} | "
             f"{sm90['mma'] if sm90 else '-'} | {kv} | {res(sm100)} | {sm100['mma'] if sm100 else '-'} |"
         )
@@ -546,7 +660,9 @@ def compile_report(
             rows += vllm_rows(vllm_source, archs, (8,) if quick else (1, 8, 256))
         except Exception as error:  # recorded, never fatal: the comparison is optional
             rows.append({"provider": "vllm-triton", "error": repr(error)[:500]})
-    summary: dict[str, Any] = {"environment": environment(), "gate_failures": gate_failures(rows)}
+    summary: dict[str, Any] = {
+        "environment": environment(), "gate_failures": gate_failures(rows), "layouts": layout_specialisation(),
+    }  # fmt: skip
     if keys_max_reqs:
         shapes = [(4, 128), (4, 256), (8, 128)] if quick else [(g, d) for g in (1, 4, 8) for d in (64, 128, 256)]
         summary["kernels_over_batch"] = {"max_reqs": keys_max_reqs, **keys_over_batch(keys_max_reqs, shapes)}

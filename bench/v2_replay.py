@@ -2,7 +2,7 @@
 """vLLM Model Runner V2's DFlash drafter step on the ring backend, without vLLM (issue 13, deliverable 4).
 
 The GPU machine has torch and triton but no vLLM, so this drives the kernel calls ``RingKVImpl`` makes
-(``kernels/backend_step.py`` and ``ring_attention``) with the inputs V2's DFlash speculator hands the backend
+(``integration/vllm/backend_step.py`` and ``ring_attention``) with the inputs V2's DFlash speculator hands the backend
 (``/work/notes/vllm_v2_report.md``):
 
 - §1.3: persistent ``query_start_loc``, ``seq_lens``, block table and context slots sized for the graph's
@@ -29,9 +29,10 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from ringkv.integration.vllm.backend_step import split_kv_cache, store_rows, vllm_batch
 from ringkv.kernels import ring_attention
-from ringkv.kernels.backend_step import split_kv_cache, store_rows, vllm_batch
 from ringkv.kernels.oracle import oracle_pair
+from ringkv.kernels.ring_attention import SplitWorkspace
 from ringkv.kernels.ring_geometry import (
     PAD_SLOT,
     UNBOUNDED_WINDOW,
@@ -80,6 +81,8 @@ class Step:
         self.ctx_k, self.ctx_v, self.k, self.v = (torch.zeros(tokens, hkv, d, dtype=dtype, device=device)
                                                   for _ in range(4))  # fmt: skip
         self.q, self.out = (torch.zeros(tokens, hq, d, dtype=dtype, device=device) for _ in range(2))
+        # the builder's scratch (RingAttentionMetadata.workspace): the captured launch allocates nothing
+        self.workspace = SplitWorkspace()
 
     def run(self, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
         """``_prepare_graph_forward``'s context store, then the draft layer's ``forward``."""
@@ -88,7 +91,7 @@ class Step:
         batch = vllm_batch(self.query_start_loc, self.seq_lens, self.block_table, self.shape.lookahead,
                            self.max_model_len)  # fmt: skip
         ring_attention(self.q, self.k, self.v, k_cache, v_cache, batch, window=self.shape.window, causal=False,
-                       scale=self.shape.head_dim**-0.5, out=out)  # fmt: skip
+                       scale=self.shape.head_dim**-0.5, out=out, workspace=self.workspace)  # fmt: skip
 
     def capture(self, kv_cache: torch.Tensor) -> Callable[[], None]:
         """The FULL draft graph on the capture-time dummy inputs (one eager warm-up first, as V2's capture)."""

@@ -1,15 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM 0.34's engine with Model Runner V2 and the DFlash2 speculator, drafter (and target) on the ring, on CPU.
 
-Outside CI; run with the vLLM 0.34 GPU wheel installed beside CPU torch (``/work/venv034``, plus ``openai``,
-``openai-harmony``, and ``compressed-tensors`` and ``loguru`` with ``--no-deps``)::
+Outside CI; run with the python of the vLLM 0.34 venv of ``ci/compat.sh`` (``VLLM034_PYTHON``: the GPU wheel
+installed beside CPU torch, ringkv editable from this checkout, plus ``openai``, ``openai-harmony``, and
+``compressed-tensors`` and ``loguru`` with ``--no-deps``), from the repository root::
 
-    /work/venv034/bin/python ci/v2_dflash2_cpu.py
+    "$VLLM034_PYTHON" ci/v2_dflash2_cpu.py
 
 A tiny Qwen3 target and a DFlash2 drafter (two sliding non-causal layers, W 64; ``load_format="dummy"``) serve a
 600-token prompt, 3 speculative tokens, block 32 (R = 4): once on the ring, once with the same kernels over vLLM's
-own sliding-window rows; the drafter's attention outputs of every step are compared. The GPU wheel on CPU needs
-these patches, each found by running without it (the call that failed, in order):
+own sliding-window rows; the drafter's attention outputs of every step are compared. It exits non-zero with the
+reason unless both runs finish on Model Runner V2 with the DFlash2 speculator, the ring run's drafter group is a
+ring of R = 4 blocks and the reference's is not, both record the same number (> 0) of drafter attention calls, and
+every output is finite and bitwise equal to its reference. The GPU wheel on CPU needs these patches, each found by
+running without it (the call that failed, in order):
 
 1. ``CpuPlatform.check_and_update_config``: "vLLM on x86 CPUs requires Triton (triton-cpu)" -> answered yes for
    that call (``ci/compat_cpu_platform.py``).
@@ -35,6 +39,8 @@ from pathlib import Path
 
 CI = Path(__file__).resolve().parent
 WINDOW = 64
+# the drafter's ring: cdiv(W + la - 2, bs) + 1 with W 64, block 32, la = 3 speculative tokens + 1
+RING_BLOCKS = 4
 
 
 def make_models(folder: Path) -> None:
@@ -125,11 +131,14 @@ def serve(models: Path, ring: bool, out: Path) -> None:
     runner = core.model_executor.driver_worker.worker.model_runner
     sys.stdout.write(f"runner {type(runner).__name__} ({type(runner).__mro__[1].__module__}), speculator "
                      f"{type(runner.speculator).__name__}\n")  # fmt: skip
+    rings = []
     for group in core.scheduler.kv_cache_manager.kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         ring_blocks, is_draft = getattr(spec, "ring_blocks", "-"), getattr(spec, "is_draft", "-")
         sys.stdout.write(f"group {type(spec).__name__} {group.layer_names} block {spec.block_size} "
                          f"R {ring_blocks} is_draft {is_draft}\n")  # fmt: skip
+        if is_draft is True:
+            rings.append(ring_blocks)
     sampling = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, ignore_eos=True)
     engine.add_request("r0", {"prompt_token_ids": [3 + i % 500 for i in range(600)]}, sampling)
     steps = 0
@@ -137,7 +146,44 @@ def serve(models: Path, ring: bool, out: Path) -> None:
         engine.step()
         steps += 1
     sys.stdout.write(f"{steps} engine steps, {len(drafter_outputs)} drafter attention calls\n")
-    torch.save(drafter_outputs, out)
+    torch.save({"outputs": drafter_outputs, "drafter_rings": rings, "runner": type(runner).__mro__[1].__module__,
+                "speculator": type(runner.speculator).__name__}, out)  # fmt: skip
+
+
+def fail(message: str) -> None:
+    raise SystemExit(f"v2_dflash2_cpu: FAILED: {message}")
+
+
+def check(ring: dict, stock: dict) -> None:
+    """Exit non-zero unless both ran Model Runner V2 with the DFlash2 speculator, the ring run's drafter sits on a
+    ring of ``RING_BLOCKS`` and the reference's does not, and both recorded the same drafter attention calls, every
+    output finite and bitwise equal."""
+    import torch
+
+    for mode, run in (("ring", ring), ("stock rows", stock)):
+        if run["runner"] != "vllm.v1.worker.gpu.model_runner" or not run["speculator"].startswith("DFlash"):
+            fail(f"the {mode} run used {run['runner']} with {run['speculator']}, not Model Runner V2 with DFlash2")
+    if ring["drafter_rings"] != [RING_BLOCKS]:
+        fail(f"the ring run's drafter KV groups have rings {ring['drafter_rings']}, expected [{RING_BLOCKS}]")
+    if any(blocks != "-" for blocks in stock["drafter_rings"]):
+        fail(
+            f"the reference run's drafter is on a ring ({stock['drafter_rings']}): it would compare the ring to itself"
+        )
+    ring_outputs, stock_outputs = ring["outputs"], stock["outputs"]
+    if not ring_outputs or len(ring_outputs) != len(stock_outputs):
+        fail(f"{len(ring_outputs)} drafter attention calls on the ring, {len(stock_outputs)} on stock rows")
+    for call, (a, b) in enumerate(zip(ring_outputs, stock_outputs, strict=True)):
+        where = f"drafter attention call {call} of {len(ring_outputs)}"
+        if a.shape != b.shape or a.dtype != b.dtype:
+            fail(f"{where}: ring output {tuple(a.shape)} {a.dtype}, stock rows {tuple(b.shape)} {b.dtype}")
+        for name, t in (("ring", a), ("stock rows", b)):
+            if not bool(torch.isfinite(t).all()):
+                fail(f"{where}: {int((~torch.isfinite(t)).sum())} non-finite values in the {name} output")
+        if not torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)):
+            differ = a != b
+            first = tuple(int(i) for i in differ.nonzero()[0]) if differ.any() else "signed zeros"
+            fail(f"{where}: not bitwise equal; {int(differ.sum())} of {a.numel()} values differ (first at {first}), "
+                 f"max |diff| {float((a - b).abs().max()):.3g}")  # fmt: skip
 
 
 def main() -> None:
@@ -158,12 +204,16 @@ def main() -> None:
                                   capture_output=True, text=True)  # fmt: skip
             sys.stdout.write(done.stdout)
             if done.returncode:
-                raise SystemExit(f"{mode} run failed:\n{done.stderr[-3000:]}")
+                fail(f"the {mode} engine run exited with {done.returncode}; its stderr ends:\n{done.stderr[-3000:]}")
         ring, stock = torch.load(folder / "ring.pt"), torch.load(folder / "stock-rows.pt")
-    worst = max(float((a - b).abs().max()) for a, b in zip(ring, stock, strict=True))
-    distinct = torch.cat([t.flatten() for t in ring]).unique().numel()
-    sys.stdout.write(f"drafter outputs, ring vs stock rows: {len(ring)} calls, max |diff| {worst:.3g} "
-                     f"({distinct} distinct output values)\n")  # fmt: skip
+    pairs = list(zip(ring["outputs"], stock["outputs"], strict=False))  # check() names a count mismatch
+    if pairs and all(a.shape == b.shape for a, b in pairs):
+        worst = max(float((a - b).abs().max()) for a, b in pairs)
+        distinct = torch.cat([t.flatten() for t in ring["outputs"]]).unique().numel()
+        sys.stdout.write(f"drafter outputs, ring vs stock rows: {len(pairs)} calls, max |diff| {worst:.3g} "
+                         f"({distinct} distinct output values)\n")  # fmt: skip
+    check(ring, stock)
+    sys.stdout.write("PASS: every drafter attention output on the ring is bitwise equal to stock rows'\n")
 
 
 if __name__ == "__main__":

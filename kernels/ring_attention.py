@@ -46,7 +46,7 @@ from .configs import (
 )
 from .ring_geometry import batch_live_slots
 from .ring_write import launch_ring_write
-from .varlen import BatchMode, VarlenBatch
+from .varlen import MAX_QUERY_LEN, BatchMode, VarlenBatch
 
 LOG2E = 1.4426950408889634
 
@@ -270,6 +270,74 @@ def split_count(
     return num_splits
 
 
+def split_rows_bound(*, num_kv_heads: int, block_q: int, window: int, tile_n: int, num_sms: int) -> int:
+    """Most partial-output rows (splits x query rows) a draft-block launch of this head shape can need when
+    ``select_num_splits`` chooses the split count: it splits only while the programs leave SMs idle, so the bound
+    follows from the GPU, not from the batch. A batch of ``n`` requests of ``m`` query blocks holds at most
+    ``n * min(m * block_q, MAX_QUERY_LEN)`` rows; the split count never grows with ``n``."""
+    rows = 0
+    for num_m_blocks in range(1, triton.cdiv(MAX_QUERY_LEN, block_q) + 1):
+        query_len = min(num_m_blocks * block_q, MAX_QUERY_LEN)
+        num_reqs = 1
+        while True:
+            splits = select_num_splits(num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_m_blocks=num_m_blocks,
+                                       window=window, tile_n=tile_n, num_sms=num_sms)  # fmt: skip
+            if splits == 1:
+                break
+            rows = max(rows, splits * num_reqs * query_len)
+            num_reqs += 1
+    return rows
+
+
+class SplitWorkspace:
+    """Persistent scratch of ``ring_attention`` launches: the split partial outputs and their log-sum-exps (or the
+    one-split stand-in), taken as views instead of allocated per launch.
+
+    Hold one per stream of launches (the vLLM backend: one per metadata builder, so micro-batches never share
+    one): launches on one stream run in order, so a KV-cache group's layers reuse it one after another. The first
+    draft-block launch of a head shape allocates room for every split count ``select_num_splits`` can choose
+    (``split_rows_bound``); the buffers are never freed or replaced, so a CUDA graph captured on them stays
+    valid. A launch that needs more (a forced ``num_splits``, more query rows than its requests hold) allocates
+    as without a workspace; the views have a fresh allocation's shape and strides, so the kernels' output is the
+    same either way.
+    """
+
+    def __init__(self) -> None:
+        # (Hq, Dv, out dtype, device, Hkv, BLOCK_Q, TILE_N, window) -> flat fp32 LSEs, flat partial outputs
+        self._splits: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # (Hq, device) -> the one-split LSE stand-in [1, 1, Hq]
+        self._stand_ins: dict[tuple, torch.Tensor] = {}
+
+    def scratch(
+        self, batch: VarlenBatch, config: AttentionConfig, num_splits: int, *, num_tokens: int, num_kv_heads: int,
+        window: int, out: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """``(lse, target)`` for a launch of ``num_splits`` over ``num_tokens`` rows into ``out`` [T, Hq, Dv]:
+        ``target`` is ``out`` itself for one split; None when the buffers cannot hold the launch."""
+        _, num_q_heads, head_dim_v = out.shape
+        if num_splits == 1:
+            key = (num_q_heads, out.device)
+            if key not in self._stand_ins:
+                self._stand_ins[key] = torch.empty(1, 1, num_q_heads, dtype=torch.float32, device=out.device)
+            return self._stand_ins[key], out
+        if batch.mode is not BatchMode.DRAFT_BLOCK:
+            return None
+        key = (num_q_heads, head_dim_v, out.dtype, out.device, num_kv_heads, config.BLOCK_Q, config.TILE_N, window)
+        if key not in self._splits:
+            rows = split_rows_bound(num_kv_heads=num_kv_heads, block_q=config.BLOCK_Q, window=window,
+                                    tile_n=config.TILE_N, num_sms=device_sms(out.device))  # fmt: skip
+            self._splits[key] = (
+                torch.empty(rows * num_q_heads, dtype=torch.float32, device=out.device),
+                out.new_empty(rows * num_q_heads * head_dim_v),
+            )
+        lse_flat, part_flat = self._splits[key]
+        rows = num_splits * num_tokens
+        if rows * num_q_heads > lse_flat.numel():
+            return None
+        lse = lse_flat[: rows * num_q_heads].view(num_splits, num_tokens, num_q_heads)
+        return lse, part_flat[: rows * num_q_heads * head_dim_v].view(num_splits, num_tokens, num_q_heads, head_dim_v)
+
+
 def ring_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -287,6 +355,7 @@ def ring_attention(
     num_splits: int | None = None,
     write_ring: bool = False,
     slot_mapping: torch.Tensor | None = None,
+    workspace: SplitWorkspace | None = None,
 ) -> torch.Tensor:
     """Attend a varlen batch (draft blocks or prefill chunks, ``batch.mode``) over its ring history and its own
     K/V; with ``write_ring``, then store its live rows in the ring.
@@ -311,6 +380,8 @@ def ring_attention(
         write_ring: after the attention, store the rows of positions ``>= seq_lens[r] - (W - 1)`` (the live ones;
             of rows sharing a slot only the last) through ``slot_mapping`` when given (vLLM's, [>= T]), else
             through ``batch.block_table``.
+        workspace: a ``SplitWorkspace`` the launch takes its scratch from instead of allocating it (the serving
+            path: one per stream of launches, kept for the process).
 
     Returns:
         [T, Hq, Dv] in ``q.dtype``; rows past ``query_start_loc[-1]`` are left as they were.
@@ -327,7 +398,9 @@ def ring_attention(
     config = select_config(batch, inputs)
     num_splits = split_count(num_splits, batch, config, num_kv_heads=k_new.shape[1], window=window, device=q.device)
     if batch.num_reqs and num_tokens:
-        launch_attention(q, k_new, v_new, batch, inputs, config, num_splits, window=window, causal=causal)
+        launch_attention(
+            q, k_new, v_new, batch, inputs, config, num_splits, window=window, causal=causal, workspace=workspace
+        )
     if write_ring and num_tokens:
         slots = batch_live_slots(
             batch.query_start_loc, batch.seq_lens, batch.block_table, num_tokens, block_size=k_cache.shape[1],
@@ -348,6 +421,7 @@ def launch_attention(
     *,
     window: int,
     causal: bool,
+    workspace: SplitWorkspace | None = None,
 ) -> None:
     """The attention kernel on validated inputs, and with splits the log-sum-exp merge into ``inputs.out``."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -355,9 +429,16 @@ def launch_attention(
     out = inputs.out
     # with splits: partial outputs [num_splits, T, Hq, Dv] in out's dtype (the output rounding, once per split)
     # and fp32 LSEs [num_splits, T, Hq]; with one split the kernel writes out (a one-token LSE stand-in)
-    lse = torch.empty(num_splits, num_tokens if num_splits > 1 else 1, num_q_heads, dtype=torch.float32,
-                      device=q.device)  # fmt: skip
-    target = out if num_splits == 1 else out.new_empty(num_splits, num_tokens, num_q_heads, head_dim_v)
+    scratch = None
+    if workspace is not None:
+        scratch = workspace.scratch(batch, config, num_splits, num_tokens=num_tokens, num_kv_heads=k_new.shape[1],
+                                    window=window, out=out)  # fmt: skip
+    if scratch is None:
+        lse = torch.empty(num_splits, num_tokens if num_splits > 1 else 1, num_q_heads, dtype=torch.float32,
+                          device=q.device)  # fmt: skip
+        target = out if num_splits == 1 else out.new_empty(num_splits, num_tokens, num_q_heads, head_dim_v)
+    else:
+        lse, target = scratch
     _ring_attention_kernel[attention_grid(batch, k_new.shape[1], config.BLOCK_Q, num_splits)](
         target, lse, q, k_new, v_new, *inputs.cache.pointers(), batch.block_table, batch.query_start_loc,
         batch.seq_lens, inputs.scale * LOG2E, window, batch.period, num_splits, num_tokens,

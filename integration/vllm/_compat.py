@@ -137,9 +137,23 @@ def dflash_speculator_class() -> type:
 
 def is_draft_spec(kv_cache_spec: object) -> bool:
     """Whether vLLM marked a KV-cache spec as a drafter's: ``KVCacheSpec.is_draft`` exists from 0.33 (set by
-    Model Runner V2, and by 0.33's V1 runner, on draft layers); 0.32 has no such field, and its V1 drafter
-    builds its metadata through ``build_for_drafting`` instead."""
+    Model Runner V2, and by 0.33's V1 runner, on draft layers); 0.32 has no such field (its V1 drafter builds its
+    metadata through ``build_for_drafting``; its Model Runner V2 marks the layers: ``marked_draft_layers``)."""
     return bool(getattr(kv_cache_spec, "is_draft", False))
+
+
+def marked_draft_layers(vllm_config: object, layer_names: list[str]) -> bool:
+    """Whether vLLM marked every one of ``layer_names`` as a drafter's layer: Model Runner V2's speculator sets
+    ``is_draft_layer = True`` on its draft model's attention layers in ``load_model`` (0.32: before the KV cache
+    and its metadata builders exist), where 0.32 has no ``KVCacheSpec.is_draft``; the V1 runner marks none. No
+    config (a builder made outside vLLM) or a layer vLLM does not know: not marked."""
+    if vllm_config is None or not layer_names:
+        return False
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)  # type: ignore[type-abstract]
+    return len(layers) == len(layer_names) and all(layer.is_draft_layer for layer in layers.values())
 
 
 def alias_attention_backend(name: str, member: AttentionBackendEnum) -> None:
@@ -195,6 +209,7 @@ __all__ = [
     "init_logger",
     "is_draft_spec",
     "kv_spec_collectors",
+    "marked_draft_layers",
     "register_backend",
     "replace_as",
     "set_current_vllm_config",

@@ -14,12 +14,15 @@ from typing import Any
 
 import torch
 from ringkv.kernels import ring_attention
-from ringkv.kernels.backend_step import split_kv_cache, store_rows
 from ringkv.kernels.kv_quant import fp8_dtype_of
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW
 
 from ._compat import AttentionImpl, AttentionLayer, AttentionType
+from .backend_step import ContextSlots, split_kv_cache, store_rows
 from .metadata import RingAttentionMetadata
+
+# the context slots a KV-cache group's layers share in one step (do_kv_cache_update), for every ring layer
+CONTEXT_SLOTS = ContextSlots()
 
 
 def layer_scales(layer: AttentionLayer | None, fp8_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
@@ -106,7 +109,7 @@ class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
         ring_attention(
             q, k, v, k_cache, v_cache, md.batch, window=self.window, causal=md.causal, scale=self.scale,
             out=output[:n].view(n, self.num_heads, -1), write_ring=md.persist_new_rows,
-            slot_mapping=md.slot_mapping if md.persist_new_rows else None, **scales,
+            slot_mapping=md.slot_mapping if md.persist_new_rows else None, workspace=md.workspace, **scales,
         )  # fmt: skip
         return output
 
@@ -118,8 +121,10 @@ class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Store context K/V rows at their ring slots; PAD (< 0) and superseded duplicates are skipped."""
+        """Store context K/V rows at their ring slots; PAD (< 0) and superseded duplicates are skipped (the last
+        writers computed once per step for the group's layers: ``ContextSlots``)."""
         n = key.shape[0]
         k_cache, v_cache = split_kv_cache(kv_cache, self.head_size, self.fp8_dtype)
         k, v = key.view(n, self.num_kv_heads, self.head_size), value.view(n, self.num_kv_heads, -1)
-        store_rows(k, v, k_cache, v_cache, slot_mapping, **layer_scales(layer, self.fp8_dtype))
+        store_rows(k, v, k_cache, v_cache, slot_mapping, context_slots=CONTEXT_SLOTS, layer=self,
+                   **layer_scales(layer, self.fp8_dtype))  # fmt: skip

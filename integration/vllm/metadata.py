@@ -3,7 +3,8 @@
 
 Every ``build()`` returns a fresh object holding vLLM's own tensors for the step and host values; nothing is
 cached between builds, so two builds before their forwards (micro-batching) never see each other's data and a
-captured CUDA graph reads the addresses vLLM's persistent buffers give it.
+captured CUDA graph reads the addresses vLLM's persistent buffers give it. What persists is scratch: the builder's
+``SplitWorkspace``, which every launch of its metadata takes its split partials and LSEs from.
 """
 
 from __future__ import annotations
@@ -13,10 +14,17 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from ringkv.kernels.backend_step import vllm_batch
+from ringkv.kernels.ring_attention import SplitWorkspace
 from ringkv.kernels.varlen import VarlenBatch
 
-from ._compat import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata, is_draft_spec
+from ._compat import (
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    is_draft_spec,
+    marked_draft_layers,
+)
+from .backend_step import vllm_batch
 from .host_sync import forbid_during_capture
 
 
@@ -35,6 +43,8 @@ class RingAttentionMetadata:
     causal: bool
     # store this step's new rows after attending (target layers); never for a drafter's blocks
     persist_new_rows: bool
+    # the builder's persistent scratch of ring_attention launches (split partials, LSEs): none allocated per launch
+    workspace: SplitWorkspace | None = None
 
     @functools.cached_property
     def batch(self) -> VarlenBatch:
@@ -62,7 +72,10 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.draft_layers = is_draft_spec(kv_cache_spec)
+        # a drafter's layers: the spec says so from 0.33, the layers themselves on 0.32's Model Runner V2
+        self.draft_layers = is_draft_spec(kv_cache_spec) or marked_draft_layers(vllm_config, layer_names)
+        # one per builder: vLLM gives each micro-batch builders of its own, and the group's layers run in order
+        self.workspace = SplitWorkspace()
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -84,8 +97,7 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
         views of vLLM's persistent buffers as ``build``, which is all a replay needs."""
         return self.build(0, common_attn_metadata)
 
-    @staticmethod
-    def _build(cm: CommonAttentionMetadata, persist_new_rows: bool) -> RingAttentionMetadata:
+    def _build(self, cm: CommonAttentionMetadata, persist_new_rows: bool) -> RingAttentionMetadata:
         return RingAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_reqs=cm.num_reqs,
@@ -97,4 +109,5 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
             slot_mapping=cm.slot_mapping,
             causal=resolve_causal(cm.causal),
             persist_new_rows=persist_new_rows,
+            workspace=self.workspace,
         )

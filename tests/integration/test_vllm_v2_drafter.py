@@ -15,6 +15,8 @@ on CPU tensors with the interpreter kernels. What the speculator hands the backe
   ``(num_computed_tokens - reach) // block_size`` read as the null block (0), ``reach = W - 1``.
 - ``v1/worker/gpu/attn_utils.py`` ``get_kv_cache_spec``: ``replace(spec, is_draft=True)`` on draft layers, after
   ``customize_spec`` (0.33+; 0.32 has no ``is_draft``).
+- ``v1/worker/gpu/spec_decode/speculator.py`` ``load_model`` (0.32): ``is_draft_layer = True`` on every attention
+  layer the draft model added, before the KV cache and the metadata builders exist.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ pytest.importorskip("vllm")
 
 from ringkv.integration.simulation.admission import Deployment, drafter_manager, make_request
 from ringkv.integration.vllm import register
-from ringkv.integration.vllm._compat import CommonAttentionMetadata, dflash_speculator_class
+from ringkv.integration.vllm._compat import CommonAttentionMetadata, dflash_speculator_class, is_draft_spec
 from ringkv.integration.vllm.backend import RingKVBackend
 from ringkv.integration.vllm.kv_cache import RingSWASpec
 from ringkv.kernels.ring_geometry import PAD_SLOT
@@ -60,6 +62,34 @@ def ring_spec(head_size: int, head_size_v: int, draft: bool) -> RingSWASpec:
     spec = RingSWASpec(block_size=BS, num_kv_heads=HKV, head_size=head_size, head_size_v=head_size_v,
                        dtype=torch.float32, sliding_window=W, lookahead=LA)  # fmt: skip
     return dataclasses.replace(spec, is_draft=True) if draft and HAS_IS_DRAFT else spec
+
+
+def v2_loaded_config(target_layers: list[str], draft_layers: list[str]) -> SimpleNamespace:
+    """The forward context as Model Runner V2 leaves it once the drafter is loaded: vLLM's own
+    ``load_model`` of the DFlash speculator (run on a stand-in whose draft model adds ``draft_layers``) marks the
+    draft model's attention layers; the builders are made after it."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    class Layer(AttentionLayerBase):
+        def get_attn_backend(self):
+            return RingKVBackend
+
+        def get_kv_cache_spec(self, vllm_config):
+            return None
+
+    context = {name: Layer() for name in target_layers}
+
+    def load_draft_model(target_model, target_attn_layer_names):
+        context.update({name: Layer() for name in draft_layers})
+        return SimpleNamespace()
+
+    config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=context),
+                             model_config=SimpleNamespace(supports_multimodal_inputs=False))  # fmt: skip
+    speculator = SimpleNamespace(vllm_config=config, load_draft_model=load_draft_model, use_acceptance_estimator=False,
+                                 _validate_local_argmax_reduction=lambda: None)  # fmt: skip
+    dflash_speculator_class().load_model(speculator, None)
+    assert speculator.draft_attn_layer_names == set(draft_layers)
+    return config
 
 
 def slot_of(row: list[int], positions: torch.Tensor, pad_null: bool = True) -> torch.Tensor:
@@ -190,7 +220,7 @@ GRAPH_REQS = 6  # the FULL graph's request count: 2 padded requests
 def test_eager_draft_step_with_padded_requests(head_size, head_size_v, causal):
     """``build()`` then ``forward`` on the speculator's padded batch (4 requests in a 6-request graph size):
     the drafts match the dense oracle, padded requests write nothing, and a draft layer stores no block row
-    (from 0.33: 0.32 marks no spec ``is_draft``, so its V2 drafter stores them, for later context to overwrite)."""
+    (0.33+: the spec is ``is_draft``; 0.32, which has no such field: the builder reads V2's marked layers)."""
     torch.manual_seed(0)
     impl = RingKVBackend.get_impl_cls()(HQ, head_size, head_size**-0.5, HKV, sliding_window=W)
     kv_cache = torch.full((SMALL.pool_blocks, HKV, BS, head_size + head_size_v), NAN)  # vLLM [B, H, bs, D + Dv]
@@ -198,15 +228,37 @@ def test_eager_draft_step_with_padded_requests(head_size, head_size_v, causal):
     buffers = SpeculatorBuffers(max_num_reqs=GRAPH_REQS)
     buffers.prepare(requests)
     draft_max_seq_len = min(max(requests.context_len) + 2 * LA, SMALL.max_model_len)
-    builder = RingKVBackend.get_builder_cls()(ring_spec(head_size, head_size_v, draft=True), ["drafter"], None, "cpu")
+    builder = RingKVBackend.get_builder_cls()(ring_spec(head_size, head_size_v, draft=True), ["drafter"],
+                                              v2_loaded_config(["target"], ["drafter"]), "cpu")  # fmt: skip
     metadata = builder.build(0, buffers.metadata(GRAPH_REQS, draft_max_seq_len, causal))
+    assert not metadata.persist_new_rows
     q, k, v = draft_inputs(GRAPH_REQS * LA, head_size, head_size_v)
     output = torch.full((GRAPH_REQS * LA, HQ * head_size_v), NAN)
     before = kv_cache.clone()
     impl.forward(None, q, k, v, kv_cache, metadata, output)
     check_draft_output(output, q, k, v, requests, head_size, causal)
-    if HAS_IS_DRAFT:
-        assert torch.equal(kv_cache.nan_to_num(), before.nan_to_num()), "a draft block's rows were stored"
+    assert torch.equal(kv_cache.nan_to_num(), before.nan_to_num()), "a draft block's rows were stored"
+
+
+@pytest.mark.parametrize(
+    ("draft_layers", "builder_layers", "persists"),
+    [
+        pytest.param(["d0", "d1"], ["d0", "d1"], False, id="drafter-builder"),
+        pytest.param(["d0", "d1"], ["t0"], True, id="target-builder"),
+        # vLLM 0.32 groups a drafter's layers with the target's of an equal spec; the target's builder serves both
+        pytest.param(["d0", "d1"], ["t0", "d0"], True, id="mixed-builder"),
+        pytest.param([], ["t0"], True, id="v1-runner-marks-none"),
+    ],
+)  # fmt: skip
+def test_the_builder_learns_draft_layers_from_model_runner_v2(draft_layers, builder_layers, persists):
+    """On every vLLM: a builder of the drafter's layers (marked by V2's speculator) never stores block rows, even
+    with a spec vLLM did not mark ``is_draft`` (0.32); a builder with any target layer stores them."""
+    spec = ring_spec(32, 32, draft=False)
+    assert not is_draft_spec(spec)
+    config = v2_loaded_config(["t0"], draft_layers)
+    builder = RingKVBackend.get_builder_cls()(spec, builder_layers, config, "cpu")
+    buffers = SpeculatorBuffers(max_num_reqs=1)
+    assert builder.build(0, buffers.capture(num_reqs=1, causal=False)).persist_new_rows is persists
 
 
 def test_a_replay_reads_this_steps_buffers_through_the_captured_metadata():
