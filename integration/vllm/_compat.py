@@ -153,7 +153,7 @@ def marked_draft_layers(vllm_config: object, layer_names: list[str]) -> bool:
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
     layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)  # type: ignore[type-abstract]
-    return len(layers) == len(layer_names) and all(layer.is_draft_layer for layer in layers.values())
+    return len(layers) == len(layer_names) and all(getattr(layer, "is_draft_layer", False) for layer in layers.values())
 
 
 def alias_attention_backend(name: str, member: AttentionBackendEnum) -> None:

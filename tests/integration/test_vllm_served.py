@@ -168,7 +168,9 @@ def server(
 ) -> Server:
     folder = tmp_path_factory.mktemp("server")
     port = free_port()
-    env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    # INFO: the log test reads ringkv's selection line (an in-process CLI test may have set WARNING)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+           "VLLM_LOGGING_LEVEL": "INFO"}  # fmt: skip
     log = folder / "server.log"
     with log.open("w") as sink:
         process = subprocess.Popen(server_command(chat_models, port), stdout=sink, stderr=subprocess.STDOUT, env=env)
