@@ -10,11 +10,12 @@ from pathlib import Path
 import typer
 from ringkv.integration.cli import (
     Chunk,
-    DrafterBlockSize,
+    DrafterKvBlockSize,
     NumSpeculativeTokens,
+    RenamedFlagsCommand,
     Seed,
-    TargetBlockSize,
     TargetGroups,
+    TargetKvBlockSize,
     Window,
     build_app,
     console,
@@ -52,14 +53,14 @@ def cpu_figures(
         console().print(f"plot: {plot_path}")
 
 
-@bench.command("load")
+@bench.command("load", cls=RenamedFlagsCommand)
 def load(
     pool_blocks: list[int] = typer.Option(list(LoadOptions.pool_blocks), help="KV pool sizes (repeat the flag)"),
     window: Window = LoadOptions.window,
-    drafter_block_size: DrafterBlockSize = LoadOptions.drafter_block_size,
+    drafter_kv_block_size: DrafterKvBlockSize = LoadOptions.drafter_kv_block_size,
     num_speculative_tokens: NumSpeculativeTokens = LoadOptions.num_speculative_tokens,
     target_groups: TargetGroups = LoadOptions.target_groups,
-    target_block_size: TargetBlockSize = LoadOptions.target_block_size,
+    target_kv_block_size: TargetKvBlockSize = LoadOptions.target_kv_block_size,
     max_num_batched_tokens: Chunk = LoadOptions.max_num_batched_tokens,
     max_num_seqs: int = typer.Option(LoadOptions.max_num_seqs, help="most requests running at once"),
     conversations: int = typer.Option(LoadOptions.conversations, help="conversations (one turn live at a time)"),
@@ -82,16 +83,16 @@ def load(
     (admitted, holding KV) at the peak and on average over the steps; peak drafter blocks held (all requests,
     shared blocks once); prefix-cache hit tokens (every admission, resumed ones too)."""
     require_at_least([
-        ("--window", window, 1), ("--drafter-block-size", drafter_block_size, 1),
+        ("--window", window, 1), ("--drafter-kv-block-size", drafter_kv_block_size, 1),
         ("--num-speculative-tokens", num_speculative_tokens, 1), ("--target-groups", target_groups, 1),
-        ("--target-block-size", target_block_size, 1), ("--max-num-batched-tokens", max_num_batched_tokens, 1),
+        ("--target-kv-block-size", target_kv_block_size, 1), ("--max-num-batched-tokens", max_num_batched_tokens, 1),
         ("--max-num-seqs", max_num_seqs, 1), ("--conversations", conversations, 0), ("--turns", turns, 1),
         ("--system-tokens", system_tokens, 0), ("--turn-tokens", turn_tokens, 1), ("--output-tokens", output_tokens, 1),
         ("--long-prompts", long_prompts, 0), ("--long-prompt-tokens", long_prompt_tokens, 1),
         *(("--pool-blocks", pool, 2) for pool in pool_blocks),
     ])  # fmt: skip
     require(conversations + long_prompts > 0, "--conversations and --long-prompts are both 0: nothing to run")
-    require_block_multiple(target_block_size, drafter_block_size)
+    require_block_multiple(target_kv_block_size, drafter_kv_block_size)
     require(num_speculative_tokens < 64, f"--num-speculative-tokens {num_speculative_tokens} must be <= 63")
     require(not out.is_file(), f"--out {out} is a file; give a folder")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -101,9 +102,10 @@ def load(
     from .load import run
 
     options = LoadOptions(
-        pool_blocks=tuple(pool_blocks), window=window, drafter_block_size=drafter_block_size,
+        pool_blocks=tuple(pool_blocks), window=window, drafter_kv_block_size=drafter_kv_block_size,
         num_speculative_tokens=num_speculative_tokens, target_groups=target_groups,
-        target_block_size=target_block_size, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        target_kv_block_size=target_kv_block_size, max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
         conversations=conversations, turns=turns, system_tokens=system_tokens, turn_tokens=turn_tokens,
         output_tokens=output_tokens, long_prompts=long_prompts, long_prompt_tokens=long_prompt_tokens, seed=seed,
     )  # fmt: skip

@@ -287,16 +287,16 @@ PLUGIN_TABLE_WIDTH = 262_144 // BLOCK_SIZE
 
 
 def _caches(
-    num_blocks: int, head_dim: int, dtype: Any, kv_cache_dtype: str | None = None, layout: str = "compact"
+    num_blocks: int, head_dim: int, dtype: Any, kv_cache_dtype: str = "auto", layout: str = "compact"
 ) -> dict[str, Any]:
     """Ring cache views (``k_cache``, ``v_cache``) of ``dtype``, or of the fp8 type a vLLM ``kv_cache_dtype``
     names, with the layer's scales (``k_scale``, ``v_scale``); ``layout="plugin"``: K/V views of vLLM's per-layer
     cache (an fp8 one allocated as uint8, as vLLM does)."""
     import torch
     from ringkv.integration.vllm.backend_step import split_kv_cache
-    from ringkv.kernels.kv_quant import FP8_KV_CACHE_DTYPES
+    from ringkv.kernels.kv_quant import fp8_dtype_of
 
-    fp8 = FP8_KV_CACHE_DTYPES[kv_cache_dtype] if kv_cache_dtype is not None else None
+    fp8 = fp8_dtype_of(kv_cache_dtype)
     if layout == "plugin":
         kv_cache = torch.empty(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * head_dim, dtype=torch.uint8 if fp8 else dtype)
         k_cache, v_cache = split_kv_cache(kv_cache, head_dim, fp8)
@@ -346,7 +346,7 @@ def _scratch(layout: str) -> dict[str, Any]:
 
 
 def launch_decode(
-    num_reqs: int, group: int, head_dim: int, context: int = CONTEXT, kv_cache_dtype: str | None = None,
+    num_reqs: int, group: int, head_dim: int, context: int = CONTEXT, kv_cache_dtype: str = "auto",
     layout: str = "compact", width: int = PLUGIN_TABLE_WIDTH,
 ) -> None:  # fmt: skip
     """``ring_attention`` on N draft blocks of 8 after ``context`` positions at the DFlash2 ring (W 2048, bs 16,
@@ -354,7 +354,7 @@ def launch_decode(
     plugin's table width)."""
     from ringkv.kernels import BatchMode, RingPlan, ring_attention
 
-    ring = RingPlan(WINDOW, BLOCK_SIZE, DRAFT_BLOCK).num_blocks
+    ring = RingPlan(WINDOW, BLOCK_SIZE, DRAFT_BLOCK).ring_blocks
     q, k_new, v_new = _qkv(num_reqs * DRAFT_BLOCK, group, head_dim, layout)
     batch = _batch(DRAFT_BLOCK, context + DRAFT_BLOCK, num_reqs, ring, BatchMode.DRAFT_BLOCK, layout, width)
     caches = _caches(ring + 1, head_dim, q.dtype, kv_cache_dtype, layout)
@@ -362,21 +362,21 @@ def launch_decode(
 
 
 def launch_prefill(
-    chunk: int, group: int, head_dim: int, kv_cache_dtype: str | None = None, layout: str = "compact",
+    chunk: int, group: int, head_dim: int, kv_cache_dtype: str = "auto", layout: str = "compact",
     width: int = PLUGIN_TABLE_WIDTH,
 ) -> None:  # fmt: skip
     """``ring_attention`` of one causal prefill chunk after 8192 positions of history (the kernel only: a target
     layer's write after it is the ``ring_write`` kernel of ``launch_write``, same tensors)."""
     from ringkv.kernels import BatchMode, RingPlan, ring_attention
 
-    ring = RingPlan(WINDOW, BLOCK_SIZE, 1).num_blocks
+    ring = RingPlan(WINDOW, BLOCK_SIZE, 1).ring_blocks
     q, k_new, v_new = _qkv(chunk, group, head_dim, layout)
     batch = _batch(chunk, 8192 + chunk, 1, ring, BatchMode.PREFILL_CHUNK, layout, width)
     caches = _caches(ring + 1, head_dim, q.dtype, kv_cache_dtype, layout)
     ring_attention(q, k_new, v_new, batch=batch, window=WINDOW, causal=True, **caches, **_scratch(layout))
 
 
-def launch_write(head_dim: int, kv_cache_dtype: str | None = None, layout: str = "compact") -> None:
+def launch_write(head_dim: int, kv_cache_dtype: str = "auto", layout: str = "compact") -> None:
     """``ring_write`` of 64 rows (a decode step's context rows for 8 requests); plugin: ``store_rows``
     (``do_kv_cache_update``) of K/V views of a packed projection (G 4) into vLLM's cache."""
     import torch
@@ -412,11 +412,11 @@ def cases(quick: bool) -> list[Case]:
     out = []
     for layout in LAYOUTS:
         # an fp8 e4m3 ring under bf16 compute, gated as bf16
-        for kv in (None, FP8_CASES):
+        for kv in ("auto", FP8_CASES):
             groups_dims = all_groups_dims
             if quick:
-                groups_dims = [(4, 128), (4, 256)] if (layout, kv) == ("compact", None) else [(4, 128)]
-            tags = {**({"kv": kv} if kv else {}), "layout": layout}
+                groups_dims = [(4, 128), (4, 256)] if (layout, kv) == ("compact", "auto") else [(4, 128)]
+            tags = {**({"kv": kv} if kv != "auto" else {}), "layout": layout}
             out += [Case("decode", {"N": n, "G": g, "D": d, **tags},
                          lambda n=n, g=g, d=d, kv=kv, layout=layout: launch_decode(n, g, d, kv_cache_dtype=kv,
                                                                                    layout=layout))

@@ -51,7 +51,7 @@ def acceptance_rows(models_dir: Path) -> list[dict[str, Any]]:
     for label, backend, kv in RUNS:
         spec = EngineRunSpec(
             target=str(models.target), drafter=str(models.drafter), drafter_backend=backend, prompts=prompts,
-            max_tokens=MAX_TOKENS, block_size=BLOCK, drafter_kv_cache_dtype=kv,
+            max_tokens=MAX_TOKENS, kv_block_size=BLOCK, drafter_kv_cache_dtype=kv,
         )  # fmt: skip
         row: dict[str, Any] = {"run": label, "drafter_backend": backend, "drafter_kv_cache_dtype": kv or "auto"}
         try:

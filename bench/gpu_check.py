@@ -40,7 +40,7 @@ HBM_BYTES_PER_S = 4.3e12
 
 
 # the smoke form's tiny shape (CPU, interpreter)
-SMOKE_SHAPE = DrafterShape(window=37, block_size=8, num_q_heads=4, num_kv_heads=1, head_dim=16)
+SMOKE_SHAPE = DrafterShape(window=37, kv_block_size=8, num_q_heads=4, num_kv_heads=1, head_dim=16)
 
 
 # fp8 rings: randn rows over the e4m3 range (|x| <= 4 sigma below 448 * scale)
@@ -48,23 +48,24 @@ FP8_SCALE = 4.0 / 448
 
 
 def build_batch(shape: DrafterShape, num_reqs: int, block: int, context_len: int, dtype, device, seed: int = 0,
-                kv_cache_dtype: str | None = None):  # fmt: skip
+                kv_cache_dtype: str = "auto"):  # fmt: skip
     """N requests at the same context length: a ring each, live context written through ``ring_write``,
     plus the same K/V linearized (``[N, Hkv, W-1+B, D]``) for the dense baselines. ``kv_cache_dtype`` (vLLM's
     name, e.g. ``"fp8_e4m3"``): an fp8 ring with scales ``FP8_SCALE``, its dense K/V the dequantized ring in fp32."""
     import torch
     from ringkv.kernels import BatchMode, RingPlan
-    from ringkv.kernels.kv_quant import FP8_KV_CACHE_DTYPES, dequantize, quantize_fp8
+    from ringkv.kernels.kv_quant import dequantize, fp8_dtype_of, quantize_fp8
     from ringkv.kernels.ring_pool import RingPool
 
-    plan = RingPlan(shape.window, shape.block_size, lookahead=max(block, 8))
+    plan = RingPlan(shape.window, shape.kv_block_size, lookahead=max(block, 8))
     # generated where it is used: a 256-request batch is gigabytes
     generator = torch.Generator(device=device).manual_seed(seed)
-    cache_dtype = dtype if kv_cache_dtype is None else FP8_KV_CACHE_DTYPES[kv_cache_dtype]
+    fp8 = fp8_dtype_of(kv_cache_dtype)
+    cache_dtype = dtype if fp8 is None else fp8
     pool = RingPool.allocate(plan, num_reqs, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                              dtype=cache_dtype, device=device, generator=generator)  # fmt: skip
     scales = {}
-    if kv_cache_dtype is not None:
+    if fp8 is not None:
         scales = {name: torch.full((1,), FP8_SCALE, device=device) for name in ("k_scale", "v_scale")}
     context = torch.arange(max(0, context_len - (shape.window - 1)), context_len)
     ctx_len = len(context)
@@ -149,10 +150,10 @@ def vllm_unified_call(unified, args: dict, shape: DrafterShape, block: int, cont
     batch, k_cache, v_cache = args["batch"], args["k_cache"], args["v_cache"]
     num_tokens = args["q"].shape[0]
     request, positions, _ = varlen_positions(batch.query_start_loc, batch.seq_lens, num_tokens)
-    slots = table_slot_mapping(positions, batch.block_table, block_size=shape.block_size, window=shape.window,
+    slots = table_slot_mapping(positions, batch.block_table, kv_block_size=shape.kv_block_size, window=shape.window,
                                period=batch.period, request_index=request)  # fmt: skip
     ring_write(args["k_new"], args["v_new"], k_cache, v_cache, slots)
-    columns = ring_block(torch.arange(triton.cdiv(context_len + block, shape.block_size), device=k_cache.device),
+    columns = ring_block(torch.arange(triton.cdiv(context_len + block, shape.kv_block_size), device=k_cache.device),
                          batch.period)  # fmt: skip
     table = batch.block_table[:, columns].contiguous()
     out = torch.empty_like(args["q"])
@@ -237,17 +238,17 @@ def bf16_cases(shape: DrafterShape, device, smoke: bool) -> list[dict]:
     from ringkv.kernels import ring_attention
 
     rows = []
-    cases = [(1, 8, 262_136, None, None), (4, 16, 5_000, None, None), (2, 8, 3_000, 4, None), (1, 8, 100, None, None),
-             (1, 8, 262_136, None, "fp8_e4m3"), (2, 8, 3_000, 4, "fp8_e5m2")]  # fmt: skip
+    cases = [(1, 8, 262_136, None, "auto"), (4, 16, 5_000, None, "auto"), (2, 8, 3_000, 4, "auto"),
+             (1, 8, 100, None, "auto"), (1, 8, 262_136, None, "fp8_e4m3"), (2, 8, 3_000, 4, "fp8_e5m2")]  # fmt: skip
     if smoke:
-        cases = [(1, 8, 100, None, None), (1, 8, 100, 2, "fp8_e4m3")]
+        cases = [(1, 8, 100, None, "auto"), (1, 8, 100, 2, "fp8_e4m3")]
     for num_reqs, block, context_len, splits, kv in cases:
         args, dense, _ = build_batch(shape, num_reqs, block, context_len, torch.bfloat16, device, seed=context_len,
                                      kv_cache_dtype=kv)  # fmt: skip
         first = ring_attention(**args, num_splits=splits)
         repeats_equal = all(torch.equal(first, ring_attention(**args, num_splits=splits)) for _ in range(10))
         rows.append({"num_reqs": num_reqs, "block": block, "context_len": context_len, "num_splits": splits,
-                     "kv_cache_dtype": kv or "auto", "bitwise_repeats": repeats_equal,
+                     "kv_cache_dtype": kv, "bitwise_repeats": repeats_equal,
                      **gate(first, dense, context_len, shape.window)})  # fmt: skip
     return rows
 
@@ -276,7 +277,7 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, un
     import torch
     import triton
     from ringkv.kernels import ring_attention
-    from ringkv.kernels.kv_quant import FP8_KV_CACHE_DTYPES
+    from ringkv.kernels.kv_quant import fp8_dtype_of
     from ringkv.kernels.tolerance import attention_error
 
     dtype = torch.bfloat16
@@ -289,10 +290,10 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, un
         shape = SHAPES[shape_name] if not smoke else SMOKE_SHAPE
         primary = shape_name == "dflash2-32-8-128"
         # the DFlash2 shape also on an fp8 e4m3 ring (ringkv only: no baseline reads fp8 KV non-causally)
-        for kv, (block, num_reqs) in [(kv, point) for kv in ((None, "fp8_e4m3") if primary else (None,))
+        for kv, (block, num_reqs) in [(kv, point) for kv in (("auto", "fp8_e4m3") if primary else ("auto",))
                                       for point in grid]:  # fmt: skip
             context_len = 262_136 if not smoke else 100
-            ring_itemsize = dtype.itemsize if kv is None else FP8_KV_CACHE_DTYPES[kv].itemsize
+            ring_itemsize = (fp8_dtype_of(kv) or dtype).itemsize
             per_set = 2 * num_reqs * (shape.window - 1 + block) * shape.num_kv_heads * shape.head_dim * ring_itemsize
             num_sets = 1 if smoke else max(1, min(32, triton.cdiv(COLD_SETS_BYTES, per_set)))
             batches = [build_batch(shape, num_reqs, block, context_len, dtype, device, seed=s, kv_cache_dtype=kv)
@@ -306,12 +307,12 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, un
                                                                              + block * dtype.itemsize)  # fmt: skip
             qo_bytes = 2 * num_reqs * block * shape.num_q_heads * shape.head_dim * dtype.itemsize
             base = {"shape": shape_name, "block": block, "num_reqs": num_reqs, "context_len": context_len,
-                    "dtype": str(dtype), "kv_cache_dtype": kv or "auto", "bytes": kv_bytes + qo_bytes,
+                    "dtype": str(dtype), "kv_cache_dtype": kv, "bytes": kv_bytes + qo_bytes,
                     "ring_sets": num_sets}  # fmt: skip
             providers = {"ringkv": rotating(calls)}
             if device.type == "cuda" and num_reqs <= 8:
                 providers["ringkv-cudagraph"] = rotating(calls)
-            if (primary or smoke) and kv is None:
+            if (primary or smoke) and kv == "auto":
                 compile_flex = not smoke and time.perf_counter() - started < budget_s
                 providers.update(make_baselines(dense, ctx_len, block, shape.window, device, compile_flex))
                 if unified is not None:
@@ -371,7 +372,7 @@ def prefill_rows(device, smoke: bool, budget_s: float) -> list[dict]:
         def randn(*size: int, generator=generator):
             return torch.randn(*size, generator=generator, device=device).to(dtype)
 
-        pool = RingPool.allocate(RingPlan(window, shape.block_size, 1), 1, num_kv_heads=shape.num_kv_heads,
+        pool = RingPool.allocate(RingPlan(window, shape.kv_block_size, 1), 1, num_kv_heads=shape.num_kv_heads,
                                  head_dim=shape.head_dim, dtype=dtype, device=device)  # fmt: skip
         history = torch.arange(context_len - (window - 1), context_len, device=device)
         k_hist, v_hist = (randn(len(history), shape.num_kv_heads, shape.head_dim) for _ in range(2))

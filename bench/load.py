@@ -47,10 +47,10 @@ class LoadOptions:
     pool_blocks: tuple[int, ...] = (500, 600, 800, 1000, 1200, 1600, 2400)
     # vLLM #55800's deployment at a quarter of its sizes: W 2048 -> 512, chunk 8192 -> 2048, target block 2304 -> 576
     window: int = 512
-    drafter_block_size: int = 16
+    drafter_kv_block_size: int = 16
     num_speculative_tokens: int = 7
     target_groups: int = 6
-    target_block_size: int = 576
+    target_kv_block_size: int = 576
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 32
     conversations: int = 24
@@ -103,12 +103,12 @@ def deployment(options: LoadOptions, pool_blocks: int, prefix_caching: bool) -> 
     from ringkv.integration.simulation.admission import Deployment
     from ringkv.kernels.shapes import ISSUE_55800
 
-    drafter = replace(ISSUE_55800, window=options.window, block_size=options.drafter_block_size,
+    drafter = replace(ISSUE_55800, window=options.window, kv_block_size=options.drafter_kv_block_size,
                       num_speculative_tokens=options.num_speculative_tokens)  # fmt: skip
     # room for the drafts verified past the last token
     max_model_len = longest_request(options) + 2 * drafter.lookahead
     return Deployment(
-        pool_blocks=pool_blocks, target_groups=options.target_groups, target_block_size=options.target_block_size,
+        pool_blocks=pool_blocks, target_groups=options.target_groups, target_kv_block_size=options.target_kv_block_size,
         drafter=drafter, max_model_len=max_model_len, max_num_batched_tokens=options.max_num_batched_tokens,
         max_num_seqs=options.max_num_seqs, prefix_caching=prefix_caching,
     )  # fmt: skip
@@ -149,9 +149,9 @@ def title(options: LoadOptions) -> str:
     chats = (f"{options.conversations} conversations x {options.turns} turns (shared {options.system_tokens}-token "
              f"system prompt, {options.turn_tokens} new tokens a turn, whole history re-sent)")  # fmt: skip
     return (f"{chats} + {options.long_prompts} prompts of {options.long_prompt_tokens:,}, {options.output_tokens} "
-            f"tokens out each; drafter W {options.window} / block {options.drafter_block_size} / N "
+            f"tokens out each; drafter W {options.window} / block {options.drafter_kv_block_size} / N "
             f"{options.num_speculative_tokens}, {options.target_groups} target groups x block "
-            f"{options.target_block_size}, chunk {options.max_num_batched_tokens}, max {options.max_num_seqs} "
+            f"{options.target_kv_block_size}, chunk {options.max_num_batched_tokens}, max {options.max_num_seqs} "
             f"running")  # fmt: skip
 
 

@@ -74,7 +74,7 @@ class Step:
         tokens = num_reqs * la
         self.query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(num_reqs, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros(num_reqs, triton.cdiv(max_model_len, shape.block_size), dtype=torch.int32,
+        self.block_table = torch.zeros(num_reqs, triton.cdiv(max_model_len, shape.kv_block_size), dtype=torch.int32,
                                        device=device)  # fmt: skip
         # the target step's rows (context K/V and slots), then the draft block's q/k/v and output
         self.ctx_slots = torch.full((tokens,), PAD_SLOT, dtype=torch.int64, device=device)
@@ -111,17 +111,19 @@ def gathered_row(request: Request, shape: DrafterShape, width: int, context_len:
     """V2's gathered block-table row ``[width]``: ``ring[j mod R]`` for the columns the manager appended (context
     and lookahead), 0 past them and below the sliding-window gather's ``num_null``."""
     columns = torch.arange(width, device=request.ring.device)
-    num_null = first_visible_position(request.step_start, shape.window) // shape.block_size
-    allocated = triton.cdiv(context_len + shape.lookahead, shape.block_size)
+    num_null = first_visible_position(request.step_start, shape.window) // shape.kv_block_size
+    allocated = triton.cdiv(context_len + shape.lookahead, shape.kv_block_size)
     row = request.ring[ring_block(columns, len(request.ring))]
     return torch.where((columns >= num_null) & (columns < allocated), row, torch.zeros_like(row))
 
 
-def prepared_slots(row: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+def prepared_slots(row: torch.Tensor, positions: torch.Tensor, kv_block_size: int) -> torch.Tensor:
     """The prepare kernel's slots over a full logical row (``table_slot_mapping``, period = the row's width), PAD
     for a null block (id 0)."""
-    slots = table_slot_mapping(positions, row, block_size=block_size, window=UNBOUNDED_WINDOW, period=row.shape[-1])
-    return torch.where((slots >= 0) & (slots < block_size), PAD_SLOT, slots)
+    slots = table_slot_mapping(
+        positions, row, kv_block_size=kv_block_size, window=UNBOUNDED_WINDOW, period=row.shape[-1]
+    )
+    return torch.where((slots >= 0) & (slots < kv_block_size), PAD_SLOT, slots)
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -147,7 +149,7 @@ def replay_graph(shape: DrafterShape, num_reqs: int, sizes: tuple, dtype: torch.
     """Rows of one graph size: the first chunks, the capture, then ``steps`` rewritten-and-replayed steps."""
     _, steps, max_model_len, first_chunk = sizes
     generator = torch.Generator(device=device).manual_seed(seed)
-    la, bs, hkv, d = shape.lookahead, shape.block_size, shape.num_kv_heads, shape.head_dim
+    la, bs, hkv, d = shape.lookahead, shape.kv_block_size, shape.num_kv_heads, shape.head_dim
 
     def randn(*size: int) -> torch.Tensor:
         return torch.randn(*size, generator=generator, device=device).to(dtype)
@@ -157,7 +159,7 @@ def replay_graph(shape: DrafterShape, num_reqs: int, sizes: tuple, dtype: torch.
 
     step = Step(shape, num_reqs, max_model_len, dtype, device)
     width = step.block_table.shape[1]
-    num_blocks_per_ring = shape.plan.num_blocks
+    num_blocks_per_ring = shape.plan.ring_blocks
     pool = num_reqs + 1
     # [blocks, Hkv, bs, D + Dv] (vLLM's layout), block 0 the null block; NaN where nothing was stored
     kv_cache = torch.full((1 + pool * num_blocks_per_ring, hkv, bs, 2 * d), float("nan"), dtype=dtype, device=device)

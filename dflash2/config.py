@@ -52,7 +52,7 @@ class DFlashConfig:
     rope_theta: float
     max_position_embeddings: int
     attention_bias: bool
-    block_size: int
+    draft_block: int
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
     conv_kernel_size: int | None
@@ -62,7 +62,7 @@ class DFlashConfig:
     @property
     def num_speculative_tokens(self) -> int:
         """The speculative tokens the drafter was trained to fill: its draft block - 1."""
-        return self.block_size - 1
+        return self.draft_block - 1
 
     @property
     def is_dflash2(self) -> bool:
@@ -84,7 +84,7 @@ class DFlashConfig:
             "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position_embeddings, "attention_bias": self.attention_bias,
             "layer_types": layer_types,
-            "dflash_config": {"block_size": self.block_size, "target_layer_ids": list(self.target_layer_ids),
+            "dflash_config": {"block_size": self.draft_block, "target_layer_ids": list(self.target_layer_ids),
                               "mask_token_id": self.mask_token_id},
         }  # fmt: skip
         if windows:
@@ -139,12 +139,12 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> DFlashConf
     """A ``DFlashConfig`` from a raw config dict; every problem is a ``DFlashConfigError`` naming the field."""
     dflash = raw.get("dflash_config") or {}
     num_layers = int(_required(raw, "num_hidden_layers", source))
-    block_size = int(dflash.get("block_size", raw.get("block_size", 16)))
+    draft_block = int(dflash.get("block_size", raw.get("block_size", 16)))
     layers = tuple(resolve_layer(raw, i) for i in range(num_layers))
     for i, layer in enumerate(layers):
-        if layer.window is not None and layer.window < block_size:
+        if layer.window is not None and layer.window < draft_block:
             raise DFlashConfigError(
-                f"{source}: layer {i} window {layer.window} is smaller than the draft block size {block_size}; "
+                f"{source}: layer {i} window {layer.window} is smaller than the draft block size {draft_block}; "
                 "a draft block must fit its own window (B <= W)"
             )
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -164,7 +164,7 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> DFlashConf
         rope_theta=rope_theta,
         max_position_embeddings=int(raw.get("max_position_embeddings", 262_144)),
         attention_bias=bool(raw.get("attention_bias", False)),
-        block_size=block_size,
+        draft_block=draft_block,
         target_layer_ids=tuple(int(i) for i in _required(dflash, "target_layer_ids", f"{source} dflash_config")),
         mask_token_id=int(_required(dflash, "mask_token_id", f"{source} dflash_config")),
         conv_kernel_size=None if conv_taps is None else int(conv_taps),

@@ -75,11 +75,11 @@ class GroupedBlockConv(nn.Module):
     coefficient = ``base_kernel[side, tap] + delta``; output_t = sum_tap coef_tap * x_{t - tap}.
     """
 
-    def __init__(self, hidden_size: int, taps: int, group_size: int, block_size: int) -> None:
+    def __init__(self, hidden_size: int, taps: int, group_size: int, draft_block: int) -> None:
         super().__init__()
         if hidden_size % group_size:
             raise ValueError(f"conv_group_size={group_size} must divide hidden_size={hidden_size}")
-        self.taps, self.group_size, self.block_size = taps, group_size, block_size
+        self.taps, self.group_size, self.draft_block = taps, group_size, draft_block
         self.num_groups = hidden_size // group_size
         self.base_kernel = nn.Parameter(torch.zeros(2, taps, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * taps * self.num_groups, bias=False)
@@ -89,7 +89,7 @@ class GroupedBlockConv(nn.Module):
         groups = x.unflatten(-1, (self.num_groups, self.group_size))
         coefficients = self.base_kernel[side].view(1, self.taps, self.num_groups, self.group_size) + delta[..., None]
         out = coefficients[:, 0] * groups
-        offset = torch.arange(x.shape[0], device=x.device) % self.block_size
+        offset = torch.arange(x.shape[0], device=x.device) % self.draft_block
         for tap in range(1, self.taps):
             shifted = F.pad(groups[:-tap], (0, 0, 0, 0, tap, 0))
             out = out + coefficients[:, tap] * shifted * (offset >= tap).view(-1, 1, 1)
@@ -146,7 +146,7 @@ class DraftLayer(nn.Module):
         self.mlp = SwiGLU(hidden, config.intermediate_size)
         self.attention_conv = self.mlp_conv = None
         if config.is_dflash2:
-            conv = (hidden, config.conv_kernel_size, config.conv_group_size, config.block_size)
+            conv = (hidden, config.conv_kernel_size, config.conv_group_size, config.draft_block)
             self.attention_conv, self.mlp_conv = GroupedBlockConv(*conv), GroupedBlockConv(*conv)
 
 
@@ -246,7 +246,7 @@ class DFlash2Drafter(nn.Module):
         """Greedy drafts ``[N, B-1]`` and their logits ``[N, B-1, vocab]`` for anchors ``[N]`` (the bonus
         tokens at positions ``context_lens`` of ``requests``, default ``0..N-1``), through the target's embedding
         and head."""
-        block = self.config.block_size
+        block = self.config.draft_block
         tokens = torch.full((len(context_lens), block), self.config.mask_token_id, device=anchors.device)
         tokens[:, 0] = anchors
         hidden = self.forward_block(cache, embed(tokens.flatten()), context_lens, block, requests)

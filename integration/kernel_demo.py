@@ -31,10 +31,10 @@ def plan_rows(shape: DrafterShape) -> list[tuple[str, str]]:
     return [
         (
             "window W / block bs / speculative N",
-            f"{shape.window} / {shape.block_size} / {shape.num_speculative_tokens}",
+            f"{shape.window} / {shape.kv_block_size} / {shape.num_speculative_tokens}",
         ),
         ("lookahead la = N + 1", str(plan.lookahead)),
-        ("ring blocks R = cdiv(W + la - 2, bs) + 1", str(plan.num_blocks)),
+        ("ring blocks R = cdiv(W + la - 2, bs) + 1", str(plan.ring_blocks)),
         ("ring slots S = R * bs", str(plan.num_slots)),
         ("drafter KV per request and layer, ring", f"{ring_bytes / MIB:.3f} MiB"),
         (f"drafter KV per request and layer, full {MAX_MODEL_LEN}", f"{full_bytes / GIB:.3f} GiB"),
@@ -57,7 +57,7 @@ def attention_step(shape: DrafterShape, last_position: int, device: torch.device
     block = plan.lookahead
     context_len = last_position + 1 - block
     pool = RingPool.allocate(plan, 1, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=DTYPE,
-                             device=device, num_blocks=2 * plan.num_blocks + 1, generator=generator)  # fmt: skip
+                             device=device, num_blocks=2 * plan.ring_blocks + 1, generator=generator)  # fmt: skip
     chunk = torch.arange(max(0, context_len - 8192), context_len)
 
     def rand(*size: int) -> torch.Tensor:

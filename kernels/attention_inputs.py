@@ -83,14 +83,14 @@ def check_same_device(named: dict[str, torch.Tensor]) -> torch.device:
 
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int, head_dim_v: int):
     """K/V cache views ``[num_blocks, bs, Hkv, D]`` consistent with the new rows."""
-    _check_rank("k_cache", k_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
-    _check_rank("v_cache", v_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim_v]")
+    _check_rank("k_cache", k_cache, 4, "[num_blocks, kv_block_size, num_kv_heads, head_dim]")
+    _check_rank("v_cache", v_cache, 4, "[num_blocks, kv_block_size, num_kv_heads, head_dim_v]")
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in blocks/heads")
     if k_cache.shape[2] != num_kv_heads or k_cache.shape[3] != head_dim or v_cache.shape[3] != head_dim_v:
         raise ValueError(
             f"cache views {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match num_kv_heads={num_kv_heads}, "
-            f"head_dim={head_dim}, head_dim_v={head_dim_v}; pass [num_blocks, block_size, Hkv, D] views"
+            f"head_dim={head_dim}, head_dim_v={head_dim_v}; pass [num_blocks, kv_block_size, Hkv, D] views"
         )
     check_inner_contiguous("k_cache", k_cache)
     check_inner_contiguous("v_cache", v_cache)
@@ -202,24 +202,24 @@ def validate_attention_inputs(
     scale = head_dim**-0.5 if scale is None else float(scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale={scale} must be a finite positive number (default head_dim ** -0.5)")
-    block_size = k_cache.shape[1]
+    kv_block_size = k_cache.shape[1]
     width = batch.block_table.shape[1]
     if batch.table_period is None:
-        if triton.cdiv(batch.max_seq_len, block_size) > width:
+        if triton.cdiv(batch.max_seq_len, kv_block_size) > width:
             raise ValueError(
-                f"block_table width {width} is too short for max_seq_len={batch.max_seq_len} at block_size="
-                f"{block_size} (needs {triton.cdiv(batch.max_seq_len, block_size)} columns); pass full rows or "
+                f"block_table width {width} is too short for max_seq_len={batch.max_seq_len} at kv_block_size="
+                f"{kv_block_size} (needs {triton.cdiv(batch.max_seq_len, kv_block_size)} columns); pass full rows or "
                 "table_period=R for ring rows"
             )
     else:
         # a draft block's own K/V sit in the ring's slack; a prefill writes after reading (needs the window only)
         lookahead = batch.max_query_len if batch.mode is BatchMode.DRAFT_BLOCK else 1
-        needed = ring_blocks_needed(window, block_size, lookahead)
+        needed = ring_blocks_needed(window, kv_block_size, lookahead)
         if batch.table_period < needed:
             raise ValueError(
                 f"a ring of table_period={batch.table_period} blocks cannot hold window={window} plus a block of "
-                f"max_query_len={lookahead} at block_size={block_size}; it needs R >= {needed} "
-                "(plan the ring with RingPlan(window, block_size, lookahead >= query_len))"
+                f"max_query_len={lookahead} at kv_block_size={kv_block_size}; it needs R >= {needed} "
+                "(plan the ring with RingPlan(window, kv_block_size, lookahead >= query_len))"
             )
     out_shape = (num_tokens, num_q_heads, head_dim_v)
     if out is None:

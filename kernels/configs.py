@@ -41,23 +41,23 @@ class AttentionConfig:
     num_stages: int
 
 
-def ring_tile_keys(block_size: int) -> int:
+def ring_tile_keys(kv_block_size: int) -> int:
     """Keys per step over the ring: ``bs`` itself when it is a power of two in 16..64 (one KV block, one scalar
     block id), the largest such power dividing ``bs`` for bigger blocks, else 16 (rows from several blocks)."""
     tile = MIN_DOT_DIM
-    while tile < 64 and block_size % (2 * tile) == 0:
+    while tile < 64 and kv_block_size % (2 * tile) == 0:
         tile *= 2
     return tile
 
 
 def select_attention_config(
-    *, group_size: int, head_dim: int, head_dim_v: int, block_size: int, kv_fp8: bool = False
+    *, group_size: int, head_dim: int, head_dim_v: int, kv_block_size: int, kv_fp8: bool = False
 ) -> AttentionConfig:
     """Draft blocks (``BatchMode.DRAFT_BLOCK``): tiles from the head shape, block size and ring dtype only, never
     the number of requests, the draft-block length or a position, so one compiled kernel serves every batch (and
     a CUDA graph replays for any position)."""
     block_m = max(ATTENTION_BLOCK_M, triton.next_power_of_2(group_size))
-    tile_n = ring_tile_keys(block_size)
+    tile_n = ring_tile_keys(kv_block_size)
     return AttentionConfig(
         BLOCK_Q=block_m // group_size,
         BLOCK_M=block_m,
@@ -122,7 +122,7 @@ def select_prefill_config(
     group_size: int,
     head_dim: int,
     head_dim_v: int,
-    block_size: int,
+    kv_block_size: int,
     max_query_len: int = 0,
     interpreted: bool = False,
 ) -> AttentionConfig:
@@ -139,7 +139,7 @@ def select_prefill_config(
     return AttentionConfig(
         BLOCK_Q=block_q,
         BLOCK_M=dot_dim(block_q * group_size),
-        TILE_N=ring_tile_keys(block_size),
+        TILE_N=ring_tile_keys(kv_block_size),
         TILE_C=INTERPRETED_PREFILL_TILE_C if tall else 32 if wide else 64,
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,

@@ -62,7 +62,7 @@ def ring_attention_reference(
     Returns:
         [T, Hq, Dv] in ``q.dtype``.
     """
-    block_size = k_cache.shape[1]
+    kv_block_size = k_cache.shape[1]
     starts = batch.query_start_loc.tolist()
     histories = []
     for request, seq_len in enumerate(batch.seq_lens.tolist()):
@@ -72,7 +72,7 @@ def ring_attention_reference(
         # a request without queries reads nothing (its table row may be anything)
         slots = table_slot_mapping(
             torch.arange(first, context_len if query_len else first, device=q.device), batch.block_table[request],
-            block_size=block_size, window=window, period=batch.period,
+            kv_block_size=kv_block_size, window=window, period=batch.period,
         )  # fmt: skip
         histories.append(
             (first, dequantize(gather_ring(k_cache, slots), k_scale), dequantize(gather_ring(v_cache, slots), v_scale))
@@ -83,8 +83,8 @@ def ring_attention_reference(
     ).to(q.dtype)  # fmt: skip
     if write_ring:
         slots = batch_live_slots(
-            batch.query_start_loc, batch.seq_lens, batch.block_table, q.shape[0], block_size=block_size, window=window,
-            period=batch.period, slot_mapping=slot_mapping,
+            batch.query_start_loc, batch.seq_lens, batch.block_table, q.shape[0], kv_block_size=kv_block_size,
+            window=window, period=batch.period, slot_mapping=slot_mapping,
         )  # fmt: skip
         ring_write_reference(k_new, v_new, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
     return out

@@ -237,9 +237,9 @@ def attention_grid(batch: VarlenBatch, num_kv_heads: int, block_q: int, num_spli
 def select_config(batch: VarlenBatch, inputs: AttentionInputs) -> AttentionConfig:
     """The launch shape for the batch's mode: draft blocks from the head shape only (CUDA-graph safe), prefill
     chunks also from the longest chunk."""
-    _, block_size, _, head_dim = inputs.cache.k_cache.shape
+    _, kv_block_size, _, head_dim = inputs.cache.k_cache.shape
     shape = {"group_size": inputs.group_size, "head_dim": head_dim, "head_dim_v": inputs.cache.v_cache.shape[3],
-             "block_size": block_size}  # fmt: skip
+             "kv_block_size": kv_block_size}  # fmt: skip
     if batch.mode is BatchMode.DRAFT_BLOCK:
         return select_attention_config(**shape, kv_fp8=inputs.cache.fp8)
     return select_prefill_config(**shape, max_query_len=batch.max_query_len, interpreted=is_interpreter())
@@ -403,7 +403,7 @@ def ring_attention(
         )
     if write_ring and num_tokens:
         slots = batch_live_slots(
-            batch.query_start_loc, batch.seq_lens, batch.block_table, num_tokens, block_size=k_cache.shape[1],
+            batch.query_start_loc, batch.seq_lens, batch.block_table, num_tokens, kv_block_size=k_cache.shape[1],
             window=window, period=batch.period, slot_mapping=slot_mapping,
         )  # fmt: skip
         launch_ring_write(k_new, v_new, inputs.cache, slots)

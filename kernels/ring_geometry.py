@@ -53,12 +53,12 @@ def _require_positive_int(name: str, value: object, hint: str) -> int:
     return value
 
 
-def ring_blocks_needed(window: int, block_size: int, lookahead: int) -> int:
+def ring_blocks_needed(window: int, kv_block_size: int, lookahead: int) -> int:
     """Blocks ``R`` a ring needs so that one step's live span never aliases (see module docstring)."""
     _require_positive_int("window", window, "pass the drafter's sliding window W (keys per query, incl. itself)")
-    _require_positive_int("block_size", block_size, "pass the KV block size in tokens")
+    _require_positive_int("kv_block_size", kv_block_size, "pass the KV block size in tokens")
     _require_positive_int("lookahead", lookahead, "pass num_speculative_tokens + 1 for DFlash")
-    return triton.cdiv(window + lookahead - 2, block_size) + 1
+    return triton.cdiv(window + lookahead - 2, kv_block_size) + 1
 
 
 def ring_block(logical_block: torch.Tensor | int, period: int) -> torch.Tensor | int:
@@ -67,9 +67,9 @@ def ring_block(logical_block: torch.Tensor | int, period: int) -> torch.Tensor |
     return logical_block % period
 
 
-def ring_column(position: torch.Tensor, block_size: int, period: int) -> torch.Tensor:
+def ring_column(position: torch.Tensor, kv_block_size: int, period: int) -> torch.Tensor:
     """Block-table column holding ``position``: ``(position // bs) mod period``."""
-    return ring_block(torch.div(position, block_size, rounding_mode="floor"), period)
+    return ring_block(torch.div(position, kv_block_size, rounding_mode="floor"), period)
 
 
 def first_visible_position(query_position: torch.Tensor | int, window: int) -> torch.Tensor | int:
@@ -105,42 +105,42 @@ class RingPlan:
 
     Args:
         window: W, keys a query sees including itself.
-        block_size: bs, tokens per KV block.
+        kv_block_size: bs, tokens per KV block.
         lookahead: la, the most positions one step writes at or past the context length
             (``num_speculative_tokens + 1`` for DFlash).
     """
 
     window: int
-    block_size: int
+    kv_block_size: int
     lookahead: int
 
     def __post_init__(self) -> None:
-        ring_blocks_needed(self.window, self.block_size, self.lookahead)
+        ring_blocks_needed(self.window, self.kv_block_size, self.lookahead)
 
     @classmethod
-    def for_dflash(cls, window: int, block_size: int, num_speculative_tokens: int) -> RingPlan:
+    def for_dflash(cls, window: int, kv_block_size: int, num_speculative_tokens: int) -> RingPlan:
         """The plan of a DFlash drafter: lookahead = ``num_speculative_tokens + 1``."""
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} must be an int")
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0")
-        return cls(window=window, block_size=block_size, lookahead=num_speculative_tokens + 1)
+        return cls(window=window, kv_block_size=kv_block_size, lookahead=num_speculative_tokens + 1)
 
     @property
-    def num_blocks(self) -> int:
+    def ring_blocks(self) -> int:
         """R, the ring's physical blocks per request."""
-        return ring_blocks_needed(self.window, self.block_size, self.lookahead)
+        return ring_blocks_needed(self.window, self.kv_block_size, self.lookahead)
 
     @property
     def num_slots(self) -> int:
         """S = R * bs."""
-        return self.num_blocks * self.block_size
+        return self.ring_blocks * self.kv_block_size
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Physical blocks a request of ``num_tokens`` tokens holds: ``min(cdiv(N, bs), R)``."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens={num_tokens} must be >= 0")
-        return min(triton.cdiv(num_tokens, self.block_size), self.num_blocks)
+        return min(triton.cdiv(num_tokens, self.kv_block_size), self.ring_blocks)
 
     def live_span(self, context_len: int) -> tuple[int, int]:
         """Half-open positions ``[max(0, P-(W-1)), P+la)`` one step at context_len ``P`` reads or writes."""
@@ -151,14 +151,14 @@ class RingPlan:
     def live_blocks(self, context_len: int) -> range:
         """Logical blocks the live span of a step at context_len ``P`` touches (at most R of them)."""
         lo, hi = self.live_span(context_len)
-        return range(lo // self.block_size, triton.cdiv(hi, self.block_size))
+        return range(lo // self.kv_block_size, triton.cdiv(hi, self.kv_block_size))
 
     def check_step(self, query_len: int) -> None:
         """Raise if a step of ``query_len`` block tokens does not fit the ring's lookahead."""
         if query_len > self.lookahead:
             raise ValueError(
                 f"query_len={query_len} exceeds the ring's lookahead la={self.lookahead} "
-                f"(window={self.window}, block_size={self.block_size}, R={self.num_blocks}); "
+                f"(window={self.window}, kv_block_size={self.kv_block_size}, R={self.ring_blocks}); "
                 f"plan the ring with lookahead >= {query_len}"
             )
 
@@ -185,15 +185,15 @@ class RingPlan:
             [T] int64 slots ``block_id * bs + p mod bs``.
         """
         return table_slot_mapping(
-            positions, block_table, block_size=self.block_size, window=self.window,
-            period=self.num_blocks if period is None else period,
+            positions, block_table, kv_block_size=self.kv_block_size, window=self.window,
+            period=self.ring_blocks if period is None else period,
             request_index=request_index, seq_len=seq_len,
         )  # fmt: skip
 
 
-def slot_coordinates(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def slot_coordinates(slots: torch.Tensor, kv_block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat slots (``block_id * bs + offset``, >= 0) -> (block ids, in-block offsets)."""
-    return torch.div(slots, block_size, rounding_mode="floor"), torch.remainder(slots, block_size)
+    return torch.div(slots, kv_block_size, rounding_mode="floor"), torch.remainder(slots, kv_block_size)
 
 
 def written(positions: torch.Tensor, seq_len: torch.Tensor | int, window: int) -> torch.Tensor:
@@ -213,7 +213,7 @@ def table_slot_mapping(
     positions: torch.Tensor,
     block_table: torch.Tensor,
     *,
-    block_size: int,
+    kv_block_size: int,
     window: int,
     period: int,
     request_index: torch.Tensor | None = None,
@@ -226,8 +226,8 @@ def table_slot_mapping(
     positions = positions.to(torch.int64)
     keep = positions >= 0 if seq_len is None else written(positions, seq_len, window)
     safe = torch.where(keep, positions, torch.zeros_like(positions))
-    block_ids = table[rows.to(torch.int64), ring_column(safe, block_size, period)]
-    slots = block_ids * block_size + torch.remainder(safe, block_size)
+    block_ids = table[rows.to(torch.int64), ring_column(safe, kv_block_size, period)]
+    slots = block_ids * kv_block_size + torch.remainder(safe, kv_block_size)
     return torch.where(keep, slots, torch.full_like(slots, PAD_SLOT))
 
 
@@ -257,7 +257,7 @@ def batch_live_slots(
     block_table: torch.Tensor,
     num_tokens: int,
     *,
-    block_size: int,
+    kv_block_size: int,
     window: int,
     period: int,
     slot_mapping: torch.Tensor | None = None,
@@ -270,7 +270,7 @@ def batch_live_slots(
         slots = pad_unwritten(slot_mapping[:num_tokens], positions, ends, window)
     else:
         slots = table_slot_mapping(
-            positions, block_table, block_size=block_size, window=window, period=period, request_index=request,
+            positions, block_table, kv_block_size=kv_block_size, window=window, period=period, request_index=request,
             seq_len=ends,
         )  # fmt: skip
     return last_writer_slots(slots)

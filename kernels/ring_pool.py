@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """A NaN-poisoned pool of ring KV blocks: the setup the tests, the benchmarks, the demo and the drafter harness share.
 
-``RingPool.allocate`` gives each of ``num_reqs`` requests a ring of ``R = plan.num_blocks`` physical blocks (a compact
+``RingPool.allocate`` gives each of ``num_reqs`` requests a ring of ``R = plan.ring_blocks`` physical blocks (a compact
 row, ``table_period = R``) in one ``[num_blocks, bs, Hkv, D]`` K/V pool that is NaN everywhere (fp8: the NaN byte
 0x7F), so a read of any slot nothing wrote poisons the output. Block 0 is the null block and never in a ring. The
 caches are ``[..., :D]`` views of storage whose head dim is padded to ``KV_STRIDE_ELEMENTS`` (the kernels' 16-byte
@@ -36,7 +36,7 @@ class RingPool:
     """Ring K/V of ``num_reqs`` requests in one pool.
 
     Attributes:
-        plan: the rings' geometry (``R = plan.num_blocks`` blocks per request).
+        plan: the rings' geometry (``R = plan.ring_blocks`` blocks per request).
         k_cache: [num_blocks, bs, Hkv, D] K cache (any strides the kernels take).
         v_cache: [num_blocks, bs, Hkv, Dv] V cache.
         rings: [num_reqs, R] int32 physical block ids: request ``r``'s compact ring row.
@@ -67,18 +67,18 @@ class RingPool:
         permutation of blocks ``1 .. num_blocks - 1`` (drawn on the generator's device; the other blocks stay NaN).
         ``dtype`` is the caches' (fp8 for an fp8 ring).
         """
-        ring_blocks = num_reqs * plan.num_blocks
-        num_blocks = 1 + ring_blocks if num_blocks is None else num_blocks
-        if num_blocks < 1 + ring_blocks:
+        owned = num_reqs * plan.ring_blocks
+        num_blocks = 1 + owned if num_blocks is None else num_blocks
+        if num_blocks < 1 + owned:
             raise ValueError(f"num_blocks={num_blocks} cannot hold the null block and {num_reqs} rings of "
-                             f"R={plan.num_blocks} blocks; pass num_blocks >= {1 + ring_blocks}")  # fmt: skip
+                             f"R={plan.ring_blocks} blocks; pass num_blocks >= {1 + owned}")  # fmt: skip
         if generator is None:
-            physical = torch.arange(1, 1 + ring_blocks)
+            physical = torch.arange(1, 1 + owned)
         else:
-            physical = (torch.randperm(num_blocks - 1, generator=generator, device=generator.device) + 1)[:ring_blocks]
-        rings = physical.view(num_reqs, plan.num_blocks).to(torch.int32).to(device)
+            physical = (torch.randperm(num_blocks - 1, generator=generator, device=generator.device) + 1)[:owned]
+        rings = physical.view(num_reqs, plan.ring_blocks).to(torch.int32).to(device)
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        caches = (aligned_cache((num_blocks, plan.block_size, num_kv_heads, d), dtype, device)
+        caches = (aligned_cache((num_blocks, plan.kv_block_size, num_kv_heads, d), dtype, device)
                   for d in (head_dim, head_dim_v))  # fmt: skip
         return cls(plan, *caches, rings)
 
@@ -133,5 +133,5 @@ class RingPool:
             torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device),
             torch.tensor(seq_lens, dtype=torch.int32, device=device), rows,
             max_query_len=max([1, *query_lens]), max_seq_len=max(seq_lens, default=0),
-            table_period=self.plan.num_blocks, mode=mode,
+            table_period=self.plan.ring_blocks, mode=mode,
         )  # fmt: skip

@@ -14,7 +14,7 @@ class DrafterShape:
     """A sliding-window drafter's attention geometry: window W, KV block bs, N speculative tokens, heads."""
 
     window: int = 2048
-    block_size: int = 16
+    kv_block_size: int = 16
     num_speculative_tokens: int = 7
     num_q_heads: int = 32
     num_kv_heads: int = 8
@@ -27,7 +27,7 @@ class DrafterShape:
 
     @property
     def plan(self) -> RingPlan:
-        return RingPlan.for_dflash(self.window, self.block_size, self.num_speculative_tokens)
+        return RingPlan.for_dflash(self.window, self.kv_block_size, self.num_speculative_tokens)
 
     def token_bytes(self, element_bytes: int = 2) -> int:
         """K and V bytes of one position in one layer."""

@@ -84,7 +84,7 @@ def make_ring_case(
     requests: list[tuple[int, int]],
     *,
     window: int,
-    block_size: int,
+    kv_block_size: int,
     num_q_heads: int,
     num_kv_heads: int,
     head_dim: int,
@@ -97,7 +97,7 @@ def make_ring_case(
     seed: int = 0,
     history_fn=None,
     mode: BatchMode = BatchMode.DRAFT_BLOCK,
-    kv_dtype: torch.dtype | None = None,
+    fp8_dtype: torch.dtype | None = None,
 ) -> RingCase:
     """Build a batch: request ``r`` has context_len ``P_r`` positions and ``B_r`` queries (a draft block, or a
     prefill chunk with ``mode=BatchMode.PREFILL_CHUNK``).
@@ -107,38 +107,40 @@ def make_ring_case(
     ``[max(0, P-W+1), P)`` of each request, written through ``RingPlan.slot_mapping``. ``full_rows`` gives
     vLLM-style logical rows (dead blocks -> 0) instead of compact R-column rows. ``history_fn(positions) -> (k, v)``
     overrides the random history values.
-    ``kv_dtype`` (float8_e4m3fn / float8_e5m2) makes the caches fp8 with random per-case scales; the history the
+    ``fp8_dtype`` (float8_e4m3fn / float8_e5m2) makes the caches fp8 with random per-case scales; the history the
     oracle sees is then the dequantized ring (quantization error belongs to the input, not to the kernel).
     """
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     generator = torch.Generator().manual_seed(seed)
     lookahead = max(b for _, b in requests) if lookahead is None else lookahead
     # a window beyond every position (full attention) keeps all of them: size the ring for what exists
-    plan = RingPlan(window=min(window, max(p + b for p, b in requests)), block_size=block_size, lookahead=lookahead)
-    ring_blocks = plan.num_blocks
+    plan = RingPlan(
+        window=min(window, max(p + b for p, b in requests)), kv_block_size=kv_block_size, lookahead=lookahead
+    )
+    ring_blocks = plan.ring_blocks
     scales: dict[str, torch.Tensor] = {}
-    if kv_dtype is not None:
+    if fp8_dtype is not None:
         # scales that put randn rows over most of the fp8 range (and a few e4m3 rows past it: saturation)
         scales = {name: torch.rand(1, generator=generator) * 0.05 + 0.005 for name in ("k_scale", "v_scale")}
     pool = RingPool.allocate(
         plan, len(requests), num_kv_heads=num_kv_heads, head_dim=head_dim, head_dim_v=head_dim_v,
-        dtype=dtype if kv_dtype is None else kv_dtype, num_blocks=2 * ring_blocks * len(requests) + 1,
+        dtype=dtype if fp8_dtype is None else fp8_dtype, num_blocks=2 * ring_blocks * len(requests) + 1,
         generator=generator,
     )  # fmt: skip
     k_cache, v_cache, rings = pool.k_cache, pool.v_cache, pool.rings
     if full_rows:
-        width = max(triton.cdiv(p + b, block_size) for p, b in requests) + 1
+        width = max(triton.cdiv(p + b, kv_block_size) for p, b in requests) + 1
         logical = torch.arange(width)
         block_table = rings[:, logical % ring_blocks].clone()
         for r, (p, _) in enumerate(requests):
-            dead_blocks = logical < first_visible_position(p, window) // block_size
+            dead_blocks = logical < first_visible_position(p, window) // kv_block_size
             block_table[r, dead_blocks] = 0
         table_period = None
     else:
         block_table, table_period = rings, ring_blocks
     history = []
     for r, (p, _) in enumerate(requests):
-        first = max(0, p - window - 2 * block_size)
+        first = max(0, p - window - 2 * kv_block_size)
         positions = torch.arange(first, p)
         if history_fn is None:
             k_hist = torch.randn(len(positions), num_kv_heads, head_dim, generator=generator).to(dtype)
@@ -150,8 +152,8 @@ def make_ring_case(
         slots = plan.slot_mapping(positions[live], block_table[r], period=table_period or block_table.shape[1])
         ring_write_reference(k_hist[live], v_hist[live], k_cache, v_cache, slots, **scales)
         if scales:
-            k_hist = dequantize(quantize_fp8(k_hist, scales["k_scale"], kv_dtype), scales["k_scale"])
-            v_hist = dequantize(quantize_fp8(v_hist, scales["v_scale"], kv_dtype), scales["v_scale"])
+            k_hist = dequantize(quantize_fp8(k_hist, scales["k_scale"], fp8_dtype), scales["k_scale"])
+            v_hist = dequantize(quantize_fp8(v_hist, scales["v_scale"], fp8_dtype), scales["v_scale"])
         history.append((first, k_hist, v_hist))
     lens = [b for _, b in requests]
     num_tokens = sum(lens) + pad_tokens

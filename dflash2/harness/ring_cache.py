@@ -22,7 +22,7 @@ class DraftKVCache:
     """K/V for ``num_requests`` requests of one drafter.
 
     Args:
-        mode: ``"ring"`` (sliding layers in rings of ``RingPlan(W, kv_block_size, B).num_blocks`` blocks) or
+        mode: ``"ring"`` (sliding layers in rings of ``RingPlan(W, kv_block_size, B).ring_blocks`` blocks) or
             ``"full"`` (every position, the full-history reference).
         attention: ``"triton"`` (``ring_write`` / ``ring_attention``; GPU, or CPU under TRITON_INTERPRET=1)
             or ``"reference"`` (the PyTorch reference on the same ring).
@@ -62,7 +62,7 @@ class DraftKVCache:
         for layer in config.layers:
             if mode == "ring" and layer.ring_backed:
                 pool = RingPool.allocate(
-                    RingPlan(layer.window, kv_block_size, config.block_size), num_requests,
+                    RingPlan(layer.window, kv_block_size, config.draft_block), num_requests,
                     num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                     dtype=dtype if fp8 is None else fp8, device=self.device,
                 )  # fmt: skip

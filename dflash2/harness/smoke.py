@@ -56,7 +56,7 @@ def run_smoke(
     *,
     chunk: int = 8192,
     window: int = 2048,
-    block_size: int = 8,
+    draft_block: int = 8,
     seed: int = 0,
     attention: str = "triton",
     device: str = "cpu",
@@ -64,14 +64,14 @@ def run_smoke(
     kv_cache_dtype: str = "auto",
 ) -> SmokeResult:
     """Ring vs full-history drafter on one request at ``context`` positions (see the module docstring)."""
-    config = tiny_config(window=window, block_size=block_size, hidden_size=64, num_layers=2, num_q_heads=4,
+    config = tiny_config(window=window, draft_block=draft_block, hidden_size=64, num_layers=2, num_q_heads=4,
                          num_kv_heads=1, head_dim=32, target_layer_ids=(0, 1))  # fmt: skip
     drafter = random_drafter(config, seed).to(device)
     reference = random_drafter(config, seed).double().to(device)
     embed = torch.nn.Embedding(config.vocab_size, config.hidden_size).to(device)
     head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False).to(device)
     embed64, head64 = copy.deepcopy(embed).double(), copy.deepcopy(head).double()
-    capacity = context + steps * block_size + block_size
+    capacity = context + steps * draft_block + draft_block
     options = {"attention": attention, "kv_block_size": 16, "device": device}
     ring = DraftKVCache(config, 1, kv_cache_dtype=kv_cache_dtype, **options)  # type: ignore[arg-type]
     full32 = DraftKVCache(config, 1, mode="full", max_positions=capacity, device=device)
@@ -103,7 +103,7 @@ def run_smoke(
         report = attention_error(logits, logits_hi, logits_lo)
         if report.max_error / max(report.bound, 1e-30) >= worst.max_error / max(worst.bound, 1e-30):
             worst, worst_step = report, step
-        accepted = 1 + rng.randint(0, block_size - 1)
+        accepted = 1 + rng.randint(0, draft_block - 1)
         commit(context_len, context_len + accepted)
         context_len += accepted
         if progress is not None:

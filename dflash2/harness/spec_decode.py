@@ -68,7 +68,7 @@ def speculative_generate(
     request: int = 0,
 ) -> SpecDecodeResult:
     """Generate ``max_new_tokens`` tokens with drafts from ``drafter`` over ``cache`` (request ``request``)."""
-    block = drafter.config.block_size
+    block = drafter.config.draft_block
     tokens = list(prompt)
     logits, features = target(tokens)
     drafter.write_context(cache, request, features, torch.arange(len(tokens)))

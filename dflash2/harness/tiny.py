@@ -11,7 +11,7 @@ from ringkv.dflash2.model import DFlash2Drafter
 def tiny_config(
     *,
     window: int = 16,
-    block_size: int = 4,
+    draft_block: int = 4,
     hidden_size: int = 64,
     num_layers: int = 2,
     num_q_heads: int = 4,
@@ -29,7 +29,7 @@ def tiny_config(
         "head_dim": head_dim, "vocab_size": vocab_size, "rms_norm_eps": 1e-6, "rope_theta": 10_000.0,
         "max_position_embeddings": 1 << 20, "layer_types": layer_types or ["sliding_attention"] * num_layers,
         "sliding_window": window, "is_causal": is_causal,
-        "dflash_config": {"block_size": block_size, "target_layer_ids": list(target_layer_ids),
+        "dflash_config": {"block_size": draft_block, "target_layer_ids": list(target_layer_ids),
                           "mask_token_id": vocab_size - 1, "conv_kernel_size": 2, "conv_group_size": 16},
     }, source="tiny_config")  # fmt: skip
 

@@ -78,7 +78,7 @@ class ProbeRecord:
     admissions: list[Admission] = field(default_factory=list)
     pool_at_shutdown: BlockPool | None = None
     ring_blocks: int | None = None
-    drafter_block_size: int | None = None
+    drafter_kv_block_size: int | None = None
 
 
 _record: ProbeRecord | None = None
@@ -159,7 +159,7 @@ def _scheduler_probes() -> None:
             if group is not None:
                 manager = self.kv_cache_manager.coordinator.single_type_managers[group]
                 _record.ring_blocks = getattr(manager, "ring_blocks", None)
-                _record.drafter_block_size = manager.block_size
+                _record.drafter_kv_block_size = manager.block_size
                 # schedule() has already advanced num_computed_tokens by the step's scheduled tokens
                 scheduled = output.num_scheduled_tokens
                 held = {r.request_id: (r.num_computed_tokens - scheduled.get(r.request_id, 0),

@@ -55,7 +55,7 @@ class EngineRun:
 
     @property
     def scheduler(self) -> dict[str, Any]:
-        """The record of the process that ran the scheduler (steps, admissions, ring_blocks, drafter_block_size,
+        """The record of the process that ran the scheduler (steps, admissions, ring_blocks, drafter_kv_block_size,
         pool_at_shutdown)."""
         owners = [r for r in self.records if r["pool_at_shutdown"] is not None]
         if len(owners) != 1:

@@ -22,7 +22,7 @@ class E2EOptions:
     decode_tokens: int
     drafter_window: int
     target_window: int
-    block_size: int
+    kv_block_size: int
     chunk: int
     stock: bool
     seed: int
@@ -41,7 +41,7 @@ class E2EResult:
     def blocks_once_full(self) -> list[int]:
         """Drafter blocks held at the steps where the drafter's window is full."""
         ring = self.run.scheduler["ring_blocks"]
-        full = self.run.scheduler["drafter_block_size"] * (ring or 1)
+        full = self.run.scheduler["drafter_kv_block_size"] * (ring or 1)
         return [held for computed, held in self.trace if computed >= full] or [held for _, held in self.trace]
 
 
@@ -66,8 +66,8 @@ def run_e2e(
     for backend in ("ring", "stock") if options.stock else ("ring",):
         spec = EngineRunSpec(
             target=str(models.target), drafter=str(models.drafter), drafter_backend=backend, prompts=[prompt],
-            max_tokens=options.decode_tokens, block_size=options.block_size, max_num_seqs=1,
-            max_model_len=options.context + options.decode_tokens + 2 * options.block_size,
+            max_tokens=options.decode_tokens, kv_block_size=options.kv_block_size, max_num_seqs=1,
+            max_model_len=options.context + options.decode_tokens + 2 * options.kv_block_size,
             max_num_batched_tokens=options.chunk, target_on_ring=backend == "ring",
             drafter_kv_cache_dtype=options.drafter_kv_cache_dtype,
         )  # fmt: skip

@@ -47,7 +47,7 @@ class EngineRunSpec:
     max_model_len: int = 4096
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 4
-    block_size: int = 32
+    kv_block_size: int = 32
     tensor_parallel_size: int = 1
     # the target's sliding-window layers on RINGKV too (backend_per_kind)
     target_on_ring: bool = False
@@ -104,7 +104,7 @@ def engine_kwargs(spec: EngineRunSpec) -> dict[str, Any]:
         "model": spec.target, "skip_tokenizer_init": True, "dtype": spec.dtype, "max_model_len": spec.max_model_len,
         "max_num_batched_tokens": spec.max_num_batched_tokens, "max_num_seqs": spec.max_num_seqs,
         "enforce_eager": True, "seed": 0, "enable_prefix_caching": spec.enable_prefix_caching,
-        "block_size": spec.block_size, "num_gpu_blocks_override": spec.num_gpu_blocks, "disable_log_stats": False,
+        "block_size": spec.kv_block_size, "num_gpu_blocks_override": spec.num_gpu_blocks, "disable_log_stats": False,
         "tensor_parallel_size": spec.tensor_parallel_size,
         "distributed_executor_backend": "uni" if spec.tensor_parallel_size == 1 else "mp",
     }  # fmt: skip

@@ -36,7 +36,7 @@ class Deployment:
 
     pool_blocks: int = 1012
     target_groups: int = 6
-    target_block_size: int = 2304
+    target_kv_block_size: int = 2304
     drafter: DrafterShape = ISSUE_55800
     max_model_len: int = 262_144
     max_num_batched_tokens: int = 8192
@@ -54,7 +54,7 @@ class Deployment:
 
     def drafter_spec(self, ring: bool) -> FullAttentionSpec | SlidingWindowSpec:
         fields = {
-            "block_size": self.drafter.block_size,
+            "block_size": self.drafter.kv_block_size,
             "num_kv_heads": self.drafter.num_kv_heads,
             "head_size": self.drafter.head_dim,
             "dtype": torch.bfloat16,
@@ -68,7 +68,7 @@ class Deployment:
         return SlidingWindowSpec(**fields)
 
     def kv_cache_config(self, ring: bool) -> KVCacheConfig:
-        target = FullAttentionSpec(block_size=self.target_block_size, num_kv_heads=self.drafter.num_kv_heads,
+        target = FullAttentionSpec(block_size=self.target_kv_block_size, num_kv_heads=self.drafter.num_kv_heads,
                                    head_size=self.drafter.head_dim, dtype=torch.bfloat16)  # fmt: skip
         groups = [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], target) for i in range(self.target_groups)]
         groups.append(KVCacheGroupSpec(["drafter.layers.0.self_attn.attn"], self.drafter_spec(ring)))
@@ -79,8 +79,8 @@ class Deployment:
         return KVCacheManager(
             self.kv_cache_config(ring),
             max_model_len=self.max_model_len,
-            scheduler_block_size=self.target_block_size,
-            hash_block_size=self.drafter.block_size,
+            scheduler_block_size=self.target_kv_block_size,
+            hash_block_size=self.drafter.kv_block_size,
             max_in_flight_tokens=self.max_in_flight_tokens,
             enable_caching=self.prefix_caching,
         )

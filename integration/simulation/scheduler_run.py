@@ -60,7 +60,7 @@ def build_vllm_config(deployment: Deployment, model_dir: Path | None = None) -> 
         model=str(model_dir), skip_tokenizer_init=True, max_model_len=deployment.max_model_len,
         max_num_batched_tokens=deployment.max_num_batched_tokens, max_num_seqs=deployment.max_num_seqs,
         enable_chunked_prefill=True, enable_prefix_caching=deployment.prefix_caching,
-        block_size=deployment.drafter.block_size, enforce_eager=True,
+        block_size=deployment.drafter.kv_block_size, enforce_eager=True,
     )  # fmt: skip
     config = args.create_engine_config()
     config.cache_config.num_gpu_blocks = deployment.pool_blocks
@@ -74,13 +74,13 @@ def request_block_hasher(config: VllmConfig, deployment: Deployment) -> BlockHas
         return None
     hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
-    return get_request_block_hasher(deployment.drafter.block_size, hash_fn)
+    return get_request_block_hasher(deployment.drafter.kv_block_size, hash_fn)
 
 
 def make_scheduler(config: VllmConfig, deployment: Deployment, ring: bool) -> Scheduler:
     scheduler = Scheduler(
         config, deployment.kv_cache_config(ring), StructuredOutputManager(config),
-        block_size=deployment.target_block_size, hash_block_size=deployment.drafter.block_size,
+        block_size=deployment.target_kv_block_size, hash_block_size=deployment.drafter.kv_block_size,
     )  # fmt: skip
     scheduler.num_lookahead_tokens = deployment.drafter.lookahead
     scheduler.num_spec_tokens = deployment.drafter.num_speculative_tokens

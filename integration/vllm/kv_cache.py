@@ -62,12 +62,12 @@ class RingSWASpec(SlidingWindowSpec):
                 "outside vLLM's config scope), so its ring size is unknown; register the plugin "
                 "(ringkv.integration.vllm.register) before vLLM builds its workers"
             )
-        return RingPlan(window=self.sliding_window, block_size=self.block_size, lookahead=self.lookahead)
+        return RingPlan(window=self.sliding_window, kv_block_size=self.block_size, lookahead=self.lookahead)
 
     @property
     def ring_blocks(self) -> int:
         """R for the current block size."""
-        return self.plan.num_blocks
+        return self.plan.ring_blocks
 
     @property
     def prefix_cacheable(self) -> bool:
@@ -105,7 +105,7 @@ class RingSWAManager(SlidingWindowManager):
         kwargs.pop("max_admission_blocks_per_request", None)
         self.plan = kv_cache_spec.plan  # refuses an unplanned spec before anything is built
         super().__init__(kv_cache_spec, **kwargs)
-        self.ring_blocks = self.plan.num_blocks
+        self.ring_blocks = self.plan.ring_blocks
         # request id -> the physical ring blocks claimed so far (column c holds ring[c])
         self.rings: dict[str, list[KVCacheBlock]] = {}
 

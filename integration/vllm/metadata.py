@@ -41,8 +41,8 @@ class RingAttentionMetadata:
     block_table: torch.Tensor  # [num_reqs, width]   logical rows, entry j = ring[j % R] or null
     slot_mapping: torch.Tensor  # [>= num_actual_tokens]   vLLM's slots of this step's rows
     causal: bool
-    # store this step's new rows after attending (target layers); never for a drafter's blocks
-    persist_new_rows: bool
+    # the write flag: store this step's new rows in the ring after attending (target layers); never a drafter's blocks
+    write_ring: bool
     # the builder's persistent scratch of ring_attention launches (split partials, LSEs): none allocated per launch
     workspace: SplitWorkspace | None = None
 
@@ -81,7 +81,7 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> RingAttentionMetadata:
         del common_prefix_len, fast_build
-        return self._build(common_attn_metadata, persist_new_rows=not self.draft_layers)
+        return self._build(common_attn_metadata, write_ring=not self.draft_layers)
 
     def build_for_drafting(
         self, common_attn_metadata: CommonAttentionMetadata, draft_index: int
@@ -90,14 +90,14 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
         hook): never context, so ``forward`` stores none of their rows (the drafter's context K/V arrive through
         ``do_kv_cache_update``)."""
         del draft_index
-        return self._build(common_attn_metadata, persist_new_rows=False)
+        return self._build(common_attn_metadata, write_ring=False)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> RingAttentionMetadata:
         """What a captured graph replays (V2 DFlash: padded requests, ``max_seq_len = max_model_len``): the same
         views of vLLM's persistent buffers as ``build``, which is all a replay needs."""
         return self.build(0, common_attn_metadata)
 
-    def _build(self, cm: CommonAttentionMetadata, persist_new_rows: bool) -> RingAttentionMetadata:
+    def _build(self, cm: CommonAttentionMetadata, write_ring: bool) -> RingAttentionMetadata:
         return RingAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_reqs=cm.num_reqs,
@@ -108,6 +108,6 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
             block_table=cm.block_table_tensor[: cm.num_reqs],
             slot_mapping=cm.slot_mapping,
             causal=resolve_causal(cm.causal),
-            persist_new_rows=persist_new_rows,
+            write_ring=write_ring,
             workspace=self.workspace,
         )

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.vllm
 # blocks plus one 64-token target block per 64 new tokens), so the ring neither preempts nor evicts; the stock
 # drafter's admission reserve (cdiv(W - 1 + 2 x 1024, 16) + 1 = 133 blocks) keeps a request waiting.
 TINY = LoadOptions(
-    pool_blocks=(200,), window=64, drafter_block_size=16, num_speculative_tokens=7, target_groups=1,
-    target_block_size=64, max_num_batched_tokens=1024, max_num_seqs=8, conversations=4, turns=3, system_tokens=0,
+    pool_blocks=(200,), window=64, drafter_kv_block_size=16, num_speculative_tokens=7, target_groups=1,
+    target_kv_block_size=64, max_num_batched_tokens=1024, max_num_seqs=8, conversations=4, turns=3, system_tokens=0,
     turn_tokens=64, output_tokens=32, long_prompts=2, long_prompt_tokens=2048,
 )  # fmt: skip
 
@@ -74,7 +74,7 @@ def test_distinct_prefixes_counts_trie_nodes():
     ("flags", "message"),
     [
         pytest.param(["--pool-blocks", "40"], "give larger --pool-blocks", id="pool-holds-no-request"),
-        pytest.param(["--target-block-size", "40"], "multiple of --drafter-block-size", id="target-block"),
+        pytest.param(["--target-kv-block-size", "40"], "multiple of --drafter-kv-block-size", id="target-block"),
         pytest.param(["--conversations", "0", "--long-prompts", "0"], "nothing to run", id="empty-workload"),
     ],
 )

@@ -13,7 +13,7 @@ from ringkv.dflash2.model import DFlash2Drafter, GroupedBlockConv
 
 def test_conv_group_size_must_divide_hidden():
     with pytest.raises(ValueError, match="conv_group_size=24 must divide hidden_size=64"):
-        GroupedBlockConv(hidden_size=64, taps=2, group_size=24, block_size=4)
+        GroupedBlockConv(hidden_size=64, taps=2, group_size=24, draft_block=4)
 
 
 def test_full_layers_need_a_capacity():

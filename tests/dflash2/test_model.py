@@ -28,7 +28,7 @@ def test_checkpoint_round_trip(tmp_path):
 
 def test_block_convolution_never_crosses_a_block_edge():
     torch.manual_seed(0)
-    conv = GroupedBlockConv(hidden_size=32, taps=2, group_size=16, block_size=4)
+    conv = GroupedBlockConv(hidden_size=32, taps=2, group_size=16, draft_block=4)
     torch.nn.init.normal_(conv.base_kernel)
     x = torch.randn(12, 32)
     y, coefficients = conv.prepare(x)
@@ -42,7 +42,7 @@ def test_block_convolution_never_crosses_a_block_edge():
 
 def drafts_from(cache_kind: str, steps: int = 6):
     """Drafter logits for a few blocks over a 60-token history with W = 16 (the ring wraps many times)."""
-    config = tiny_config(window=16, block_size=4)
+    config = tiny_config(window=16, draft_block=4)
     drafter = random_drafter(config, seed=1)
     embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
     head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -83,7 +83,7 @@ def test_fp8_ring_drafts_match_the_reference_on_the_same_fp8_ring():
 def test_ring_drafter_drafts_what_the_full_history_drafter_drafts(seed):
     """Request 1 of a two-request ring cache: every step's draft logits equal the full-history drafter's
     (greedy verification alone would hide bad drafts), and the output is the target's own greedy decoding."""
-    config = tiny_config(window=16, block_size=4)
+    config = tiny_config(window=16, draft_block=4)
     target = TargetModel(tiny_target(seed=seed), config.target_layer_ids)
     drafter = random_drafter(config, seed=seed)
     prompt = [(7 * i + seed) % 120 + 3 for i in range(37)]
@@ -134,6 +134,6 @@ def test_partial_acceptance_writes_the_accepted_rows_only(chain_models):
 
 
 def test_long_context_smoke_at_ci_size():
-    result = run_smoke(context=5000, steps=6, chunk=2048, window=2048, block_size=8)
+    result = run_smoke(context=5000, steps=6, chunk=2048, window=2048, draft_block=8)
     assert result.error.ok, result
     assert result.ring_kv_bytes < result.full_kv_bytes

@@ -34,13 +34,13 @@ BAD_VALUES = {
     "demo": [("--last-position", "3"), ("--last-position", str(1 << 31))],
     "admission": [
         ("--pool-blocks", "0"), ("--pool-blocks", "-5"), ("--target-groups", "0"), ("--window", "0"),
-        ("--drafter-block-size", "0"), ("--num-speculative-tokens", "0"), ("--num-speculative-tokens", "64"),
+        ("--drafter-kv-block-size", "0"), ("--num-speculative-tokens", "0"), ("--num-speculative-tokens", "64"),
         ("--max-model-len", "0"), ("--max-num-batched-tokens", "0"), ("--decode-steps", "-1"),
-        ("--target-block-size", "100"),
+        ("--target-kv-block-size", "100"),
     ],
-    "smoke": [("--block-size", "0"), ("--block-size", "65"), ("--steps", "0"), ("--chunk", "0"),
+    "smoke": [("--draft-block", "0"), ("--draft-block", "65"), ("--steps", "0"), ("--chunk", "0"),
               ("--kv-cache-dtype", "fp4"), ("--kv-cache-dtype", "bfloat16")],
-    "e2e": [("--block-size", "48"), ("--window", "4"), ("--chunk", "1"), ("--decode-tokens", "0"),
+    "e2e": [("--kv-block-size", "48"), ("--window", "4"), ("--chunk", "1"), ("--decode-tokens", "0"),
             ("--kv-cache-dtype", "int8")],
     "plan {drafter}": [("--kv-block-size", "0"), ("--num-speculative-tokens", "64"), ("--dtype-bytes", "3")],
 }  # fmt: skip
@@ -50,7 +50,7 @@ CASES = [
     (["admission", "--decode-steps", "40000"], "lower --decode-steps"),
     (["admission", "--plot", FOLDER], "is a folder"),
     (["smoke", "--context", "100"], "--context 100 is below --window 2048"),
-    (["smoke", "--window", "4"], "--window 4 must be >= --block-size 8"),
+    (["smoke", "--window", "4"], "--window 4 must be >= --draft-block 8"),
     (["smoke", "--context", str((1 << 31) - 8)], "largest position"),
     (["e2e", "--context", "10"], "--context 10 is below --window 64"),
     (["e2e", "--plot", FOLDER], "is a folder"),
@@ -58,6 +58,13 @@ CASES = [
     (["plan", "{drafter_without_head_dim}"], "'head_dim' is missing"),
     (["plan", "{drafter_not_json}"], "config.json"),
     (["bench", "cpu-figures", "--out", "a-file"], "--out a-file is a file"),
+    # flags the glossary renamed: refused with the new name, never read as another meaning
+    (["smoke", "--block-size", "8"], "--block-size was renamed --draft-block"),
+    (["e2e", "--block-size=32"], "--block-size was renamed --kv-block-size"),
+    (["admission", "--target-block-size", "2304"], "--target-block-size was renamed --target-kv-block-size"),
+    (["admission", "--drafter-block-size", "16"], "--drafter-block-size was renamed --drafter-kv-block-size"),
+    (["bench", "load", "--drafter-block-size", "16"], "--drafter-block-size was renamed --drafter-kv-block-size"),
+    (["bench", "load", "--target-block-size", "576"], "--target-block-size was renamed --target-kv-block-size"),
 ]
 
 

@@ -27,11 +27,11 @@ from tests.testing import NAN, assert_attention_close
 pytestmark = pytest.mark.vllm
 
 
-def swa_spec(block_size: int = 16, window: int = 2048):
+def swa_spec(kv_block_size: int = 16, window: int = 2048):
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
     return SlidingWindowSpec(
-        block_size=block_size, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, sliding_window=window
+        block_size=kv_block_size, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, sliding_window=window
     )
 
 
@@ -179,16 +179,17 @@ def test_vllm_attention_backend_env_selects_the_drafter_backend(monkeypatch):
     assert explicit.speculative_config["attention_backend"] == "FLASH_ATTN"
 
 
-SMALL = Deployment(pool_blocks=200, target_groups=1, target_block_size=64, max_model_len=4096,
-                   max_num_batched_tokens=256, drafter=DrafterShape(window=64, block_size=16, num_speculative_tokens=7,
-                                                                    num_kv_heads=2, head_dim=32))  # fmt: skip
+SMALL = Deployment(pool_blocks=200, target_groups=1, target_kv_block_size=64, max_model_len=4096,
+                   max_num_batched_tokens=256,
+                   drafter=DrafterShape(window=64, kv_block_size=16, num_speculative_tokens=7, num_kv_heads=2,
+                                        head_dim=32))  # fmt: skip
 NUM_Q_HEADS = 8
 
 
-def vllm_slot_mapping(row: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+def vllm_slot_mapping(row: torch.Tensor, positions: torch.Tensor, kv_block_size: int) -> torch.Tensor:
     """vLLM's DFlash prepare kernel: ``row[p // bs] * bs + p % bs``, PAD where the block is the null block."""
-    block_ids = row[positions // block_size]
-    return torch.where(block_ids == 0, -1, block_ids * block_size + positions % block_size)
+    block_ids = row[positions // kv_block_size]
+    return torch.where(block_ids == 0, -1, block_ids * kv_block_size + positions % kv_block_size)
 
 
 @pytest.mark.interpreter
@@ -211,7 +212,7 @@ def test_forward_and_kv_update_with_common_attention_metadata(causal, kv_cache_d
     manager = SMALL.manager(ring=True)
     drafter = drafter_manager(manager)
     prompts = {"a": 300, "b": 37}
-    heads, dim, bs = SMALL.drafter.num_kv_heads, SMALL.drafter.head_dim, SMALL.drafter.block_size
+    heads, dim, bs = SMALL.drafter.num_kv_heads, SMALL.drafter.head_dim, SMALL.drafter.kv_block_size
     kv_cache = torch.full((SMALL.pool_blocks, heads, bs, 2 * dim), NAN).to(device)  # vLLM [B, H, N, 2D]
     fp8 = fp8_dtype_of(kv_cache_dtype)
     layer = None
@@ -302,7 +303,7 @@ def test_a_drafters_block_rows_are_never_written_to_the_ring(route, device):
         metadata = RingKVBackend.get_builder_cls()(spec, ["drafter"], None, device).build(0, common)
     before = kv_cache.clone()
     impl.forward(None, q, k, v, kv_cache, metadata, torch.empty(len(q), q.shape[1], device=device))
-    assert not metadata.persist_new_rows
+    assert not metadata.write_ring
     assert torch.equal(kv_cache, before), "a draft block's K/V were stored in the ring"
 
 

@@ -44,7 +44,7 @@ def engine_runs(models, backends, drafter_kv_cache_dtype: str | None = None) -> 
     runs = {}
     for backend in backends:
         spec = EngineRunSpec(target=str(models.target), drafter=str(models.drafter), drafter_backend=backend,
-                             prompts=prompts(), max_tokens=48, block_size=BLOCK,
+                             prompts=prompts(), max_tokens=48, kv_block_size=BLOCK,
                              drafter_kv_cache_dtype=drafter_kv_cache_dtype)  # fmt: skip
         runs[backend] = run_engine(spec, drafter_layers=layers)
     return runs
@@ -124,7 +124,7 @@ def test_an_fp8_drafter_ring_serves_in_the_engine(sliding):
     assert fp8.forward_calls.keys() == runs["ring"].forward_calls.keys() and fp8.forward_calls == fp8.kv_update_calls
     # vLLM unifies page sizes across groups: 1-byte drafter rows beside the fp32 target take 4x larger blocks
     record = fp8.scheduler
-    ring_blocks = ring_blocks_needed(SLIDING.drafter_window, record["drafter_block_size"],
+    ring_blocks = ring_blocks_needed(SLIDING.drafter_window, record["drafter_kv_block_size"],
                                      lookahead=SLIDING.num_speculative_tokens + 1)  # fmt: skip
     assert record["ring_blocks"] == ring_blocks
     assert max(held for step in held_blocks(fp8) for _, held in step.values()) == ring_blocks
@@ -156,6 +156,6 @@ def test_vllm_v1_refuses_a_mixed_sliding_full_drafter(tmp_path):
     config["layer_types"] = ["sliding_attention", "full_attention"]
     (models.drafter / "config.json").write_text(json.dumps(config))
     spec = EngineRunSpec(target=str(models.target), drafter=str(models.drafter), drafter_backend="ring",
-                         prompts=prompts()[:1], max_tokens=4, block_size=BLOCK)  # fmt: skip
+                         prompts=prompts()[:1], max_tokens=4, kv_block_size=BLOCK)  # fmt: skip
     with pytest.raises(EngineRunError, match="mixed sliding/full"):
         run_engine(spec, drafter_layers=[])

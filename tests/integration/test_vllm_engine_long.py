@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_262144_token_prompt_holds_exactly_r_drafter_blocks(tmp_path):
-    options = E2EOptions(context=262_144, decode_tokens=64, drafter_window=64, target_window=128, block_size=32,
+    options = E2EOptions(context=262_144, decode_tokens=64, drafter_window=64, target_window=128, kv_block_size=32,
                          chunk=8192, stock=False, seed=0)  # fmt: skip
     (result,) = run_e2e(options, tmp_path)
     ring_blocks = ring_blocks_needed(64, 32, lookahead=8)
@@ -43,7 +43,7 @@ def test_tensor_parallel_2_ranks_serve_the_drafter_on_the_ring(tmp_path):
     runs = {
         backend: run_engine(
             EngineRunSpec(target=str(models.target), drafter=str(models.drafter), drafter_backend=backend,
-                          prompts=prompts, max_tokens=32, block_size=32, tensor_parallel_size=2),
+                          prompts=prompts, max_tokens=32, kv_block_size=32, tensor_parallel_size=2),
             drafter_layers=layers,
         )
         for backend in ("stock", "ring")

@@ -72,7 +72,7 @@ def sharing_spec(models) -> EngineRunSpec:
     ]
     return EngineRunSpec(target=str(models.target), drafter=str(models.drafter), drafter_backend="ring",
                          prompts=waves[0], later_waves=waves[1:], continued_slots=[0], max_tokens=REPLY,
-                         block_size=BLOCK, max_num_batched_tokens=BATCHED_TOKENS,
+                         kv_block_size=BLOCK, max_num_batched_tokens=BATCHED_TOKENS,
                          enable_prefix_caching=True)  # fmt: skip
 
 
@@ -80,7 +80,7 @@ def preempting_spec(models) -> EngineRunSpec:
     generator = random.Random(2)
     return EngineRunSpec(target=str(models.target), drafter=str(models.drafter), drafter_backend="ring",
                          prompts=[tokens(generator, n) for n in PREEMPTING_PROMPTS], max_tokens=PREEMPTING_REPLY,
-                         block_size=BLOCK, max_model_len=416, max_num_batched_tokens=BATCHED_TOKENS,
+                         kv_block_size=BLOCK, max_model_len=416, max_num_batched_tokens=BATCHED_TOKENS,
                          num_gpu_blocks=POOL_BLOCKS, enable_prefix_caching=True,
                          abort_after_tokens={str(ABORTED): ABORT_AT})  # fmt: skip
 
@@ -109,7 +109,7 @@ def reference(chain_models, sharing, preempting) -> dict[tuple[int, ...], list[i
     submitted (a conversation's later turns carry the ring's replies: their earlier turns are checked too)."""
     prompts = [prompt for runs in (sharing, preempting) for prompt in runs["ring"].prompts]
     spec = EngineRunSpec(target=str(chain_models.target), drafter=None, drafter_backend=None, prompts=prompts,
-                         max_tokens=max(REPLY, PREEMPTING_REPLY), block_size=BLOCK)  # fmt: skip
+                         max_tokens=max(REPLY, PREEMPTING_REPLY), kv_block_size=BLOCK)  # fmt: skip
     run = run_engine(spec, drafter_layers=[])
     return {tuple(prompt): reply for prompt, reply in zip(run.prompts, run.tokens, strict=True)}
 

@@ -16,9 +16,9 @@ from ringkv.kernels.shapes import DrafterShape
 
 pytestmark = pytest.mark.vllm
 
-SMALL = Deployment(pool_blocks=700, target_groups=2, target_block_size=64, max_model_len=60_000,
+SMALL = Deployment(pool_blocks=700, target_groups=2, target_kv_block_size=64, max_model_len=60_000,
                    max_num_batched_tokens=700,
-                   drafter=DrafterShape(window=200, block_size=8, num_speculative_tokens=3))  # fmt: skip
+                   drafter=DrafterShape(window=200, kv_block_size=8, num_speculative_tokens=3))  # fmt: skip
 
 
 def held_by_group(manager, request_ids) -> int:
@@ -39,7 +39,7 @@ def check_invariants(manager, live, needs, initial_free) -> None:
     all_ring_blocks = [b for blocks in rings.values() for b in blocks]
     assert len(all_ring_blocks) == len(set(all_ring_blocks)), "two requests share a ring block"
     for rid, request in live.items():
-        assert len(rings[rid]) == min(triton.cdiv(needs[rid], plan.block_size), plan.num_blocks)
+        assert len(rings[rid]) == min(triton.cdiv(needs[rid], plan.kv_block_size), plan.ring_blocks)
         context_len = request.num_computed_tokens
         row = drafter.req_to_blocks[rid]
         window_blocks = [row[j] for j in plan.live_blocks(context_len) if j < len(row)]

@@ -45,7 +45,7 @@ def test_262144_tokens_hold_exactly_r_blocks_from_admission_to_finish():
     result = run_request(ISSUE, ring=True, num_prompt_tokens=262_144 - 64 * 8, decode_steps=64, seed=7)
     assert result.failure is None and result.admitted
     assert len(result.steps) == 32 + 64
-    assert {step.drafter_blocks for step in result.steps} == {ISSUE.drafter.plan.num_blocks} == {130}
+    assert {step.drafter_blocks for step in result.steps} == {ISSUE.drafter.plan.ring_blocks} == {130}
     assert {step.kind for step in result.steps} == {"prefill", "decode"}
     assert result.free_after == result.free_before == ISSUE.pool_blocks - 1
 

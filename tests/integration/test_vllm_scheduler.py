@@ -60,7 +60,7 @@ def test_prefix_caching_the_ring_admits_262144_and_a_second_request_hits_the_cac
     deployment = replace(ISSUE, prefix_caching=True)
     config = build_vllm_config(deployment)
     assert scheduler_largest_admissible(config, deployment, ring=True) == 262_144
-    prompt, tail, window, block = 262_144 - 4 * 8 - 64, 64, ISSUE.drafter.window, ISSUE.target_block_size
+    prompt, tail, window, block = 262_144 - 4 * 8 - 64, 64, ISSUE.drafter.window, ISSUE.target_kv_block_size
     rerun = scheduler_prefix_rerun(config, deployment, True, prompt, tail, decode_steps=4)
     assert rerun.first.finished and rerun.second.finished
     assert set(rerun.first.drafter_blocks) == set(rerun.second.drafter_blocks) == {130}

@@ -148,7 +148,7 @@ def counters(server: Server) -> Counter:
 def reference_replies(models: EngineModels, prompts: list[list[int]]) -> list[list[int]]:
     """Greedy replies from vLLM's engine with no speculation and prefix caching off."""
     spec = EngineRunSpec(target=str(models.target), drafter=None, drafter_backend=None, prompts=prompts,
-                         max_tokens=MAX_TOKENS, block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
+                         max_tokens=MAX_TOKENS, kv_block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
                          max_num_seqs=MAX_NUM_SEQS)  # fmt: skip
     return run_engine(spec, drafter_layers=[], record_outputs=False).tokens
 

@@ -46,12 +46,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.interpreter]
 SMALL = Deployment(
     pool_blocks=200,
     target_groups=1,
-    target_block_size=64,
+    target_kv_block_size=64,
     max_model_len=4096,
     max_num_batched_tokens=256,
-    drafter=DrafterShape(window=64, block_size=16, num_speculative_tokens=7),
+    drafter=DrafterShape(window=64, kv_block_size=16, num_speculative_tokens=7),
 )
-BS, W, LA = SMALL.drafter.block_size, SMALL.drafter.window, SMALL.drafter.lookahead
+BS, W, LA = SMALL.drafter.kv_block_size, SMALL.drafter.window, SMALL.drafter.lookahead
 WIDTH = triton.cdiv(SMALL.max_model_len, BS)  # V2's row width: max_num_blocks_per_req(max_model_len)
 HKV, HQ = 2, 8
 HAS_IS_DRAFT = any(f.name == "is_draft" for f in dataclasses.fields(RingSWASpec))
@@ -231,7 +231,7 @@ def test_eager_draft_step_with_padded_requests(head_size, head_size_v, causal):
     builder = RingKVBackend.get_builder_cls()(ring_spec(head_size, head_size_v, draft=True), ["drafter"],
                                               v2_loaded_config(["target"], ["drafter"]), "cpu")  # fmt: skip
     metadata = builder.build(0, buffers.metadata(GRAPH_REQS, draft_max_seq_len, causal))
-    assert not metadata.persist_new_rows
+    assert not metadata.write_ring
     q, k, v = draft_inputs(GRAPH_REQS * LA, head_size, head_size_v)
     output = torch.full((GRAPH_REQS * LA, HQ * head_size_v), NAN)
     before = kv_cache.clone()
@@ -241,7 +241,7 @@ def test_eager_draft_step_with_padded_requests(head_size, head_size_v, causal):
 
 
 @pytest.mark.parametrize(
-    ("draft_layers", "builder_layers", "persists"),
+    ("draft_layers", "builder_layers", "writes_ring"),
     [
         pytest.param(["d0", "d1"], ["d0", "d1"], False, id="drafter-builder"),
         pytest.param(["d0", "d1"], ["t0"], True, id="target-builder"),
@@ -250,7 +250,7 @@ def test_eager_draft_step_with_padded_requests(head_size, head_size_v, causal):
         pytest.param([], ["t0"], True, id="v1-runner-marks-none"),
     ],
 )  # fmt: skip
-def test_the_builder_learns_draft_layers_from_model_runner_v2(draft_layers, builder_layers, persists):
+def test_the_builder_learns_draft_layers_from_model_runner_v2(draft_layers, builder_layers, writes_ring):
     """On every vLLM: a builder of the drafter's layers (marked by V2's speculator) never stores block rows, even
     with a spec vLLM did not mark ``is_draft`` (0.32); a builder with any target layer stores them."""
     spec = ring_spec(32, 32, draft=False)
@@ -258,7 +258,7 @@ def test_the_builder_learns_draft_layers_from_model_runner_v2(draft_layers, buil
     config = v2_loaded_config(["t0"], draft_layers)
     builder = RingKVBackend.get_builder_cls()(spec, builder_layers, config, "cpu")
     buffers = SpeculatorBuffers(max_num_reqs=1)
-    assert builder.build(0, buffers.capture(num_reqs=1, causal=False)).persist_new_rows is persists
+    assert builder.build(0, buffers.capture(num_reqs=1, causal=False)).write_ring is writes_ring
 
 
 def test_a_replay_reads_this_steps_buffers_through_the_captured_metadata():

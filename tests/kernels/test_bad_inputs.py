@@ -16,7 +16,7 @@ from tests.testing import NAN, aligned_cache, make_ring_case
 
 @pytest.fixture
 def case():
-    return make_ring_case([(40, 8), (3, 2)], window=37, block_size=8, num_q_heads=4, num_kv_heads=2, head_dim=16)
+    return make_ring_case([(40, 8), (3, 2)], window=37, kv_block_size=8, num_q_heads=4, num_kv_heads=2, head_dim=16)
 
 
 def _replace(args: dict, **changes) -> dict:
@@ -110,12 +110,12 @@ def test_varlen_batch_build_reads_bounds_and_keeps_the_mode(case):
 
 def misaligned(tensor: torch.Tensor, how: str) -> torch.Tensor:
     """The same values in a cache view the fast kernel cannot load 16 bytes at a time."""
-    num_blocks, block_size, heads, dim = tensor.shape
+    num_blocks, kv_block_size, heads, dim = tensor.shape
     if how == "base":  # a view starting 4 bytes into its storage
         storage = torch.full((tensor.numel() + 1,), NAN, dtype=tensor.dtype)
-        view = storage[1:].view(num_blocks, block_size, heads, dim)
+        view = storage[1:].view(num_blocks, kv_block_size, heads, dim)
     else:  # head dim padded to 24 elements: 16-byte strides for fp32, but not multiples of 16 elements
-        view = torch.full((num_blocks, block_size, heads, 24), NAN, dtype=tensor.dtype)[..., :dim]
+        view = torch.full((num_blocks, kv_block_size, heads, 24), NAN, dtype=tensor.dtype)[..., :dim]
     return view.copy_(tensor)
 
 
@@ -179,7 +179,7 @@ def test_ring_write_rejects(changes, message):
 
 
 def test_ring_attention_rejects_bad_prefill_inputs():
-    prefill = make_ring_case([(40, 8), (3, 2)], window=37, block_size=8, num_q_heads=4, num_kv_heads=2, head_dim=16,
+    prefill = make_ring_case([(40, 8), (3, 2)], window=37, kv_block_size=8, num_q_heads=4, num_kv_heads=2, head_dim=16,
                              mode=BatchMode.PREFILL_CHUNK)  # fmt: skip
     args = {**prefill.kernel_args(), "write_ring": True}
     with pytest.raises(ValueError, match=r"k_new has dtype torch\.float16"):

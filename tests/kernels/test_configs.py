@@ -21,9 +21,9 @@ from ringkv.kernels.configs import (
 
 @settings(max_examples=300, deadline=None)
 @given(group_size=st.integers(1, 128), head_dim=st.integers(1, 256), head_dim_v=st.integers(1, 256),
-       block_size=st.integers(1, 4096))  # fmt: skip
-def test_select_attention_config_is_total_and_consistent(group_size, head_dim, head_dim_v, block_size):
-    shape = {"group_size": group_size, "head_dim": head_dim, "head_dim_v": head_dim_v, "block_size": block_size}
+       kv_block_size=st.integers(1, 4096))  # fmt: skip
+def test_select_attention_config_is_total_and_consistent(group_size, head_dim, head_dim_v, kv_block_size):
+    shape = {"group_size": group_size, "head_dim": head_dim, "head_dim_v": head_dim_v, "kv_block_size": kv_block_size}
     config = select_attention_config(**shape)
     assert config == select_attention_config(**shape)
     # the G x B rows of a KV head padded to the 64-row MMA tile; a query's G heads never straddle two programs
@@ -31,13 +31,13 @@ def test_select_attention_config_is_total_and_consistent(group_size, head_dim, h
     assert config.BLOCK_Q >= 1 and config.BLOCK_Q * group_size <= config.BLOCK_M
     assert head_dim <= config.BLOCK_D and head_dim_v <= config.BLOCK_DV and min(config.TILE_N, config.BLOCK_D) >= 16
     # one KV block (or a part of one) per loop step whenever the block size allows it
-    assert block_size % config.TILE_N == 0 or config.TILE_N == 16
+    assert kv_block_size % config.TILE_N == 0 or config.TILE_N == 16
 
 
-@pytest.mark.parametrize(("block_size", "tile"), [(4, 16), (8, 16), (16, 16), (24, 16), (32, 32), (64, 64),
+@pytest.mark.parametrize(("kv_block_size", "tile"), [(4, 16), (8, 16), (16, 16), (24, 16), (32, 32), (64, 64),
                                                   (128, 64), (48, 16), (2304, 64)])  # fmt: skip
-def test_ring_tile_keys(block_size, tile):
-    assert ring_tile_keys(block_size) == tile
+def test_ring_tile_keys(kv_block_size, tile):
+    assert ring_tile_keys(kv_block_size) == tile
 
 
 def _splits(**overrides):
@@ -54,8 +54,8 @@ def test_split_kv_only_when_the_grid_is_small():
 
 
 def test_select_prefill_config_splits_wide_heads_over_two_warp_groups():
-    narrow = select_prefill_config(group_size=4, head_dim=128, head_dim_v=128, block_size=16)
-    wide = select_prefill_config(group_size=4, head_dim=256, head_dim_v=256, block_size=16)
+    narrow = select_prefill_config(group_size=4, head_dim=128, head_dim_v=128, kv_block_size=16)
+    wide = select_prefill_config(group_size=4, head_dim=256, head_dim_v=256, kv_block_size=16)
     assert (narrow.num_warps, narrow.TILE_C, narrow.TILE_N, narrow.BLOCK_M) == (4, 64, 16, 64)
     assert (wide.num_warps, wide.TILE_C) == (8, 32)
 
@@ -69,7 +69,7 @@ def test_select_write_config():
 def test_long_chunks_take_tall_tiles_only_under_the_interpreter():
     from ringkv.kernels.configs import INTERPRETED_LONG_CHUNK
 
-    shape = {"group_size": 2, "head_dim": 32, "head_dim_v": 32, "block_size": 16}
+    shape = {"group_size": 2, "head_dim": 32, "head_dim_v": 32, "kv_block_size": 16}
     native = select_prefill_config(**shape, max_query_len=1 << 16)
     short = select_prefill_config(**shape, max_query_len=INTERPRETED_LONG_CHUNK - 1, interpreted=True)
     long = select_prefill_config(**shape, max_query_len=INTERPRETED_LONG_CHUNK, interpreted=True)

@@ -76,12 +76,12 @@ class Draw:
     kernel: str
     dtype: torch.dtype
     seed: int
-    kv_dtype: torch.dtype | None  # the fp8 cache dtype, None: the cache holds ``dtype``
+    fp8_dtype: torch.dtype | None  # the fp8 cache dtype, None: the cache holds ``dtype``
     num_kv_heads: int
     group: int
     head_dim: int
     head_dim_v: int
-    block_size: int
+    kv_block_size: int
     window: int
     causal: bool
     lookahead: int
@@ -111,12 +111,12 @@ def draw_rows(rng: random.Random, kernel: str, slots: int) -> int:
     return rng.choice([0, 1, rng.randint(1, 24), rng.randint(1, 2 * slots + 3)])
 
 
-def draw(kernel: str, dtype: torch.dtype, seed: int, *, ci: bool, kv_dtype: torch.dtype | None = None) -> Draw:
+def draw(kernel: str, dtype: torch.dtype, seed: int, *, ci: bool, fp8_dtype: torch.dtype | None = None) -> Draw:
     """The case of ``seed`` (everything random comes from here). The CI tier redraws (from the same stream) until
     the case is cheap under the interpreter: few history launches, little attention work."""
     rng = random.Random(seed)
     while True:
-        d = draw_once(rng, kernel, dtype, seed, kv_dtype)
+        d = draw_once(rng, kernel, dtype, seed, fp8_dtype)
         if not ci or within(interpreter_cost(d), CI_COST):
             return d
 
@@ -134,21 +134,23 @@ def within(cost: tuple[int, ...], limit: tuple[int, ...]) -> bool:
     return all(c <= m for c, m in zip(cost, limit, strict=True))
 
 
-def draw_once(rng: random.Random, kernel: str, dtype: torch.dtype, seed: int, kv_dtype: torch.dtype | None) -> Draw:
+def draw_once(rng: random.Random, kernel: str, dtype: torch.dtype, seed: int, fp8_dtype: torch.dtype | None) -> Draw:
     """One draw from ``rng``."""
-    block_size = rng.choice(BLOCK_SIZES)
+    kv_block_size = rng.choice(BLOCK_SIZES)
     num_reqs = rng.randint(1, 4 if kernel == "write" else 3)
     num_steps = 1 if kernel == "attention" else rng.randint(1, 2 if kernel == "prefill" else 3)
     full_rows = rng.random() < 0.4
     kind = rng.choice(["small", "edge", "mid", "mid", "beyond"])
     window = {
         "small": rng.randint(1, 4),
-        "edge": max(1, rng.choice([block_size - 1, block_size, block_size + 1, 2 * block_size + 1, 15, 16, 17])),
+        "edge": max(
+            1, rng.choice([kv_block_size - 1, kv_block_size, kv_block_size + 1, 2 * kv_block_size + 1, 15, 16, 17])
+        ),
         "mid": rng.randint(5, 90),
         "beyond": 0,  # set once the positions are known
     }[kind]
     # the ring's slots for a window of this size (an estimate for "beyond": the sequences are short there)
-    slots = (triton.cdiv(max(window, 64) + 16, block_size) + 1) * block_size
+    slots = (triton.cdiv(max(window, 64) + 16, kv_block_size) + 1) * kv_block_size
     launches = tuple(tuple(draw_rows(rng, kernel, slots) for _ in range(num_reqs)) for _ in range(num_steps))
     total = [sum(step[r] for step in launches) for r in range(num_reqs)]
     deep = kind != "beyond" and not full_rows and rng.random() < 0.15
@@ -157,7 +159,7 @@ def draw_once(rng: random.Random, kernel: str, dtype: torch.dtype, seed: int, kv
         if kind == "beyond":
             context = rng.choice([0, 1, rng.randint(0, 40), rng.randint(0, 120)])
         elif deep:
-            context = MAX_SEQ_LEN - total[r] - rng.choice([0, 0, rng.randint(0, 3 * block_size)])
+            context = MAX_SEQ_LEN - total[r] - rng.choice([0, 0, rng.randint(0, 3 * kv_block_size)])
         else:
             edges = [0, 1, window - 1, window, window + 1, rng.randint(0, 3 * slots)]
             edges.append(rng.randint(1, 3) * slots + rng.choice([-1, 0, 1, rng.randint(0, slots)]))
@@ -174,9 +176,9 @@ def draw_once(rng: random.Random, kernel: str, dtype: torch.dtype, seed: int, kv
     most_rows = max(max(step) for step in launches)
     lookahead = (most_rows if kernel == "attention" else 1) + rng.choice([0, 0, 1, 3])
     return Draw(
-        kernel=kernel, dtype=dtype, seed=seed, kv_dtype=kv_dtype, num_kv_heads=rng.choice([1, 1, 2, 3]),
+        kernel=kernel, dtype=dtype, seed=seed, fp8_dtype=fp8_dtype, num_kv_heads=rng.choice([1, 1, 2, 3]),
         group=rng.choice([1, 2, 3, 4, 5, 8, 16, rng.randint(1, 16)]), head_dim=(d := rng.choice(HEAD_DIMS)),
-        head_dim_v=d if rng.random() < 0.5 else rng.choice(HEAD_DIMS), block_size=block_size, window=window,
+        head_dim_v=d if rng.random() < 0.5 else rng.choice(HEAD_DIMS), kv_block_size=kv_block_size, window=window,
         causal=rng.random() < 0.5, lookahead=max(1, lookahead), firsts=tuple(firsts), contexts=tuple(contexts),
         launches=launches, history_chunk=rng.choice([1, rng.randint(1, slots), rng.randint(slots, 3 * slots)]),
         full_rows=full_rows, index_dtype=rng.choice(INDEX_DTYPES), slot_dtype=rng.choice(INDEX_DTYPES),
@@ -194,7 +196,7 @@ def padded(dim: int) -> int:
 def kv_pool(
     layout: str,
     num_blocks: int,
-    block_size: int,
+    kv_block_size: int,
     heads: int,
     head_dim: int,
     head_dim_v: int,
@@ -205,13 +207,13 @@ def kv_pool(
     tensor ``[num_blocks, H, N, D' + Dv']`` with heads outer (``BHN``) or slots outer (``BNH``)."""
     dp, dvp = padded(head_dim), padded(head_dim_v)
     if layout == "separate":
-        k_store = torch.full((num_blocks, block_size, heads, dp), NAN, dtype=dtype, device=device)
-        v_store = torch.full((num_blocks, block_size, heads, dvp), NAN, dtype=dtype, device=device)
+        k_store = torch.full((num_blocks, kv_block_size, heads, dp), NAN, dtype=dtype, device=device)
+        v_store = torch.full((num_blocks, kv_block_size, heads, dvp), NAN, dtype=dtype, device=device)
         return [k_store, v_store], k_store[..., :head_dim], v_store[..., :head_dim_v]
     if layout == "BHN":
-        store = torch.full((num_blocks, heads, block_size, dp + dvp), NAN, dtype=dtype, device=device)
+        store = torch.full((num_blocks, heads, kv_block_size, dp + dvp), NAN, dtype=dtype, device=device)
         return [store], store[..., :head_dim].transpose(1, 2), store[..., dp : dp + head_dim_v].transpose(1, 2)
-    store = torch.full((num_blocks, block_size, heads, dp + dvp), NAN, dtype=dtype, device=device)
+    store = torch.full((num_blocks, kv_block_size, heads, dp + dvp), NAN, dtype=dtype, device=device)
     return [store], store[..., :head_dim], store[..., dp : dp + head_dim_v]
 
 
@@ -236,12 +238,12 @@ class RingWorld:
     def __init__(self, d: Draw, device: torch.device) -> None:
         self.d, self.device = d, device
         generator = torch.Generator().manual_seed(d.seed)
-        bs, num_reqs = d.block_size, len(d.contexts)
+        bs, num_reqs = d.kv_block_size, len(d.contexts)
         self.plan = RingPlan(d.window, bs, d.lookahead)
         # compact rows hold R columns; a full row over a window past every position is a plain row (never wraps)
-        self.ring_blocks = min(self.plan.num_blocks, self.span_blocks()) if d.full_rows else self.plan.num_blocks
+        self.ring_blocks = min(self.plan.ring_blocks, self.span_blocks()) if d.full_rows else self.plan.ring_blocks
         num_blocks = 1 + num_reqs * self.ring_blocks + d.spare_blocks
-        self.cache_dtype = d.kv_dtype or d.dtype
+        self.cache_dtype = d.fp8_dtype or d.dtype
         self.storage, self.k_cache, self.v_cache = kv_pool(d.layout, num_blocks, bs, d.num_kv_heads, d.head_dim,
                                                            d.head_dim_v, self.cache_dtype, device)  # fmt: skip
         # block 0 is the null block (NaN); rings are random distinct blocks, the spare ones stay NaN
@@ -257,14 +259,14 @@ class RingWorld:
         self.model: dict[int, tuple[int, int]] = {}
         # an fp8 ring's per-layer scales: randn rows over most of the fp8 range (a few e4m3 ones saturate)
         self.scales: dict[str, torch.Tensor] = {}
-        if d.kv_dtype is not None:
+        if d.fp8_dtype is not None:
             self.scales = {name: (torch.rand(1, generator=generator) * 0.05 + 0.005).to(device)
                            for name in ("k_scale", "v_scale")}  # fmt: skip
 
     def span_blocks(self) -> int:
         """Blocks that hold every position the case reaches (logical blocks 0 .. triton.cdiv(end, bs))."""
         ends = [c + sum(step[r] for step in self.d.launches) for r, c in enumerate(self.d.contexts)]
-        return max(triton.cdiv(end, self.d.block_size) for end in ends) + 1
+        return max(triton.cdiv(end, self.d.kv_block_size) for end in ends) + 1
 
     def row(self, request: int, lowest: int) -> list[int]:
         """The block-table row of ``request`` for a launch whose lowest visible position is ``lowest``: compact R
@@ -272,7 +274,7 @@ class RingWorld:
         ring = self.rings[request]
         if not self.d.full_rows:
             return list(ring)
-        dead = lowest // self.d.block_size
+        dead = lowest // self.d.kv_block_size
         return [0 if j < dead else ring[j % len(ring)] for j in range(self.width)]
 
     def table(self, rows: list[list[int]]) -> tuple[torch.Tensor, int | None]:
@@ -288,7 +290,7 @@ class RingWorld:
         return self.width if self.d.full_rows else self.ring_blocks
 
     def slot(self, row: list[int], position: int) -> int:
-        bs = self.d.block_size
+        bs = self.d.kv_block_size
         return row[(position // bs) % self.period] * bs + position % bs
 
     def record(self, request: int, row: list[int], positions: range, end: int) -> None:
@@ -304,12 +306,13 @@ class RingWorld:
 
     def expected_pool(self) -> list[torch.Tensor]:
         d = self.d
-        storage, k_cache, v_cache = kv_pool(d.layout, self.k_cache.shape[0], d.block_size, d.num_kv_heads, d.head_dim,
-                                            d.head_dim_v, self.cache_dtype, torch.device("cpu"))  # fmt: skip
+        storage, k_cache, v_cache = kv_pool(d.layout, self.k_cache.shape[0], d.kv_block_size, d.num_kv_heads,
+                                            d.head_dim, d.head_dim_v, self.cache_dtype,
+                                            torch.device("cpu"))  # fmt: skip
         for slot, (request, p) in self.model.items():
             k, v = self.held(request, range(p, p + 1))
-            k_cache[slot // d.block_size, slot % d.block_size] = k[0]
-            v_cache[slot // d.block_size, slot % d.block_size] = v[0]
+            k_cache[slot // d.kv_block_size, slot % d.kv_block_size] = k[0]
+            v_cache[slot // d.kv_block_size, slot % d.kv_block_size] = v[0]
         return storage
 
     def held(self, request: int, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,7 +338,7 @@ class RingWorld:
         for got, want in zip(self.storage, self.expected_pool(), strict=True):
             if torch.equal(bits(got.cpu()), bits(want)):
                 continue
-            bs = self.d.block_size
+            bs = self.d.kv_block_size
             for cache, name in ((self.k_cache, "K"), (self.v_cache, "V")):
                 if cache.untyped_storage().data_ptr() != got.untyped_storage().data_ptr():
                     continue
@@ -353,7 +356,7 @@ class RingWorld:
 
     def poison(self, reads: list[range]) -> None:
         """NaN into every slot whose position no query of the next launch may read (``reads[r]``)."""
-        bs = self.d.block_size
+        bs = self.d.kv_block_size
         for slot, (request, p) in list(self.model.items()):
             if p not in reads[request]:
                 del self.model[slot]
@@ -471,13 +474,13 @@ def dtype(dtype_name: str) -> torch.dtype:
 
 
 @pytest.fixture
-def kv_dtype(dtype_name: str) -> torch.dtype | None:
+def fp8_dtype(dtype_name: str) -> torch.dtype | None:
     """The fp8 cache dtype of an fp8 pair, else None (the cache holds the compute dtype)."""
     return FP8[dtype_name][1] if dtype_name in FP8 else None
 
 
-def test_write_differential(dtype, kv_dtype, seed, ci, device):
-    d = draw("write", dtype, seed, ci=ci, kv_dtype=kv_dtype)
+def test_write_differential(dtype, fp8_dtype, seed, ci, device):
+    d = draw("write", dtype, seed, ci=ci, fp8_dtype=fp8_dtype)
     world = RingWorld(d, device)
     cursors = list(d.contexts)
     for lens in d.launches:
@@ -486,15 +489,15 @@ def test_write_differential(dtype, kv_dtype, seed, ci, device):
         cursors = [s.stop for s in spans]
 
 
-def test_attention_differential(dtype, kv_dtype, seed, ci, device):
-    d = draw("attention", dtype, seed, ci=ci, kv_dtype=kv_dtype)
+def test_attention_differential(dtype, fp8_dtype, seed, ci, device):
+    d = draw("attention", dtype, seed, ci=ci, fp8_dtype=fp8_dtype)
     world = RingWorld(d, device)
     world.write_history()
     attend(world, d.launches[0], list(d.contexts), prefill=False, write=False)
 
 
-def test_prefill_differential(dtype, kv_dtype, seed, ci, device):
-    d = draw("prefill", dtype, seed, ci=ci, kv_dtype=kv_dtype)
+def test_prefill_differential(dtype, fp8_dtype, seed, ci, device):
+    d = draw("prefill", dtype, seed, ci=ci, fp8_dtype=fp8_dtype)
     world = RingWorld(d, device)
     world.write_history()
     contexts = list(d.contexts)

@@ -30,13 +30,13 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 NAN_BYTES = {E4M3: (0x7F, 0xFF), E5M2: (0x7F, 0xFE)}
 
 
-def poisoned_fp8_layer(num_blocks: int, block_size: int, heads: int, head_dim: int, fp8: torch.dtype):
+def poisoned_fp8_layer(num_blocks: int, kv_block_size: int, heads: int, head_dim: int, fp8: torch.dtype):
     """vLLM's fp8 layer cache: uint8 storage ``[num_blocks, 2, bs, H, D']`` (D' = D rounded up to
     ``KV_STRIDE_ELEMENTS``) full of the fp8 NaN bytes (random sign)."""
     padded = triton.cdiv(head_dim, KV_STRIDE_ELEMENTS) * KV_STRIDE_ELEMENTS
     pattern = torch.tensor(NAN_BYTES[fp8], dtype=torch.uint8)
     generator = torch.Generator().manual_seed(1)
-    return pattern[torch.randint(0, 2, (num_blocks, 2, block_size, heads, padded), generator=generator)]
+    return pattern[torch.randint(0, 2, (num_blocks, 2, kv_block_size, heads, padded), generator=generator)]
 
 
 def fp8_views(storage: torch.Tensor, head_dim: int, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,10 +51,10 @@ def test_ring_write_stores_reference_bytes(fp8, dtype, device):
     """Bytes equal ``quantize_fp8`` exactly (ties, subnormals, saturation at +-max included); PAD rows and dead
     positions leave the NaN bytes untouched."""
     heads, head_dim, bs = 2, 40, 8
-    plan = RingPlan(window=21, block_size=bs, lookahead=4)
-    num_blocks = 2 * plan.num_blocks
+    plan = RingPlan(window=21, kv_block_size=bs, lookahead=4)
+    num_blocks = 2 * plan.ring_blocks
     generator = torch.Generator().manual_seed(stable_seed(fp8, dtype))
-    ring = torch.randperm(num_blocks, generator=generator)[: plan.num_blocks]
+    ring = torch.randperm(num_blocks, generator=generator)[: plan.ring_blocks]
     positions = torch.arange(0, 60)  # ends at 60: positions < 40 are dead (W - 1 = 20 live)
     slots = plan.slot_mapping(positions, ring, seq_len=60)
     slots[45] = PAD_SLOT  # an explicit PAD among the live rows
@@ -121,8 +121,8 @@ DECODE = [
 @pytest.mark.parametrize(("requests", "window", "bs", "hq", "hkv", "d", "dtype", "fp8", "causal", "splits"), DECODE)
 def test_fp8_ring_attention_matches_oracle(requests, window, bs, hq, hkv, d, dtype, fp8, causal, splits, device):
     case = make_ring_case(
-        requests, window=window, block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype,
-        causal=causal, full_rows=window == UNBOUNDED_WINDOW, pad_tokens=2, kv_dtype=fp8,
+        requests, window=window, kv_block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype,
+        causal=causal, full_rows=window == UNBOUNDED_WINDOW, pad_tokens=2, fp8_dtype=fp8,
         seed=stable_seed(requests, window, bs, d, dtype, fp8, causal),
     )  # fmt: skip
     attend_matches_oracle(case, device, num_splits=splits)
@@ -140,8 +140,8 @@ def test_fp8_ring_prefill_matches_oracle_and_writes_quantized(requests, window, 
     """Chunk attention over an fp8 ring, then write-after-read: the ring then holds the chunk's live rows as
     ``quantize_fp8`` bytes."""
     case = make_ring_case(
-        requests, window=window, block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype,
-        causal=causal, lookahead=1, pad_tokens=3, mode=BatchMode.PREFILL_CHUNK, kv_dtype=fp8,
+        requests, window=window, kv_block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype,
+        causal=causal, lookahead=1, pad_tokens=3, mode=BatchMode.PREFILL_CHUNK, fp8_dtype=fp8,
         seed=stable_seed(requests, window, dtype, fp8, causal),
     )  # fmt: skip
     case = attend_matches_oracle(case, device, write_ring=True)
@@ -173,8 +173,8 @@ def test_kv_cache_dtype_names():
 
 
 def _fp8_args():
-    case = make_ring_case([(20, 4)], window=9, block_size=8, num_q_heads=2, num_kv_heads=1, head_dim=16,
-                          dtype=torch.bfloat16, kv_dtype=E4M3, seed=5)  # fmt: skip
+    case = make_ring_case([(20, 4)], window=9, kv_block_size=8, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                          dtype=torch.bfloat16, fp8_dtype=E4M3, seed=5)  # fmt: skip
     return case.kernel_args()
 
 

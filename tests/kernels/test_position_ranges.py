@@ -35,8 +35,8 @@ def test_last_positions(mode, causal, device):
         (MAX_SEQ_LEN - 1 - lens[1], lens[1]),
         (MAX_SEQ_LEN - 37 - lens[2], lens[2]),
     ]
-    case = make_ring_case(requests, window=37, block_size=8, num_q_heads=4, num_kv_heads=2, head_dim=24, causal=causal,
-                          lookahead=max(lens) if draft else 1, mode=mode, seed=11)  # fmt: skip
+    case = make_ring_case(requests, window=37, kv_block_size=8, num_q_heads=4, num_kv_heads=2, head_dim=24,
+                          causal=causal, lookahead=max(lens) if draft else 1, mode=mode, seed=11)  # fmt: skip
     assert_attention_close(run(case, device), *case_oracle_pair(case), name=f"{mode.value} at MAX_SEQ_LEN", case=case)
 
 
@@ -47,6 +47,6 @@ def test_windows_around_2_31_see_everything(mode, window, device):
     attention, however close to int32's end it is."""
     draft = mode is BatchMode.DRAFT_BLOCK
     requests = [(100, 8), (3, 5)] if draft else [(100, 50), (0, 17)]
-    case = make_ring_case(requests, window=window, block_size=8, num_q_heads=4, num_kv_heads=2, head_dim=16,
+    case = make_ring_case(requests, window=window, kv_block_size=8, num_q_heads=4, num_kv_heads=2, head_dim=16,
                           full_rows=True, lookahead=8 if draft else 1, mode=mode, seed=5)  # fmt: skip
     assert_attention_close(run(case, device), *case_oracle_pair(case), name=f"{mode.value} W={window}", case=case)

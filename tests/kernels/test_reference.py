@@ -26,7 +26,7 @@ CASES = [
 @pytest.mark.parametrize(("requests", "window", "bs", "hq", "hkv", "d", "causal", "full_rows"), CASES)
 def test_reference_matches_dense_oracle(requests, window, bs, hq, hkv, d, causal, full_rows):
     case = make_ring_case(
-        requests, window=window, block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, causal=causal,
+        requests, window=window, kv_block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, causal=causal,
         full_rows=full_rows, seed=stable_seed(requests, window, causal),
     )  # fmt: skip
     ref = ring_attention_reference(**case.kernel_args(), compute_dtype=torch.float64)

@@ -68,7 +68,7 @@ def test_ring_attention_matches_reference(
 ):
     seed = stable_seed(requests, window, bs, hq, hkv, d, dv, dtype, causal, full_rows, splits)
     case = make_ring_case(
-        requests, window=window, block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
+        requests, window=window, kv_block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
         dtype=dtype, causal=causal, full_rows=full_rows, pad_tokens=2, seed=seed,
     )  # fmt: skip
     assert_kernel_matches_reference(ring_attention, case, device, num_splits=splits)
@@ -109,7 +109,7 @@ EXACT = [
 def test_ring_attention_names_the_attended_set(window, bs, requests, causal, full_rows, device):
     depth = 64
     case = make_ring_case(
-        requests, window=window, block_size=bs, num_q_heads=2, num_kv_heads=1, head_dim=depth, causal=causal,
+        requests, window=window, kv_block_size=bs, num_q_heads=2, num_kv_heads=1, head_dim=depth, causal=causal,
         full_rows=full_rows, history_fn=onehot_history(depth),
     )  # fmt: skip
     starts = case.query_start_loc.tolist()
@@ -138,7 +138,7 @@ def test_ring_attention_names_the_attended_set(window, bs, requests, causal, ful
 @pytest.mark.parametrize("order", ["BHN", "BNH"])
 def test_ring_attention_reads_vllm_layer_views(order, device):
     """K/V as strided views of one vLLM per-layer tensor ``[num_blocks, H, N, 2D]`` (no copies)."""
-    case = make_ring_case([(300, 8), (20, 3)], window=64, block_size=16, num_q_heads=8, num_kv_heads=2, head_dim=32)
+    case = make_ring_case([(300, 8), (20, 3)], window=64, kv_block_size=16, num_q_heads=8, num_kv_heads=2, head_dim=32)
     ref_hi, ref_lo = reference_pair(case)
     d = case.k_cache.shape[-1]
     if order == "BHN":
@@ -161,7 +161,7 @@ def test_ring_reads_beyond_2_31_elements(kind, device):
     # untouched pages of torch.empty are never materialised, so this costs almost no memory
     k_cache, v_cache = (torch.empty(num_blocks, bs, 1, head_dim, dtype=torch.float16, device=device) for _ in range(2))
     # the pool's last R blocks, not RingPool.allocate's NaN fill (it would materialise both 4 GiB caches)
-    ring = torch.arange(num_blocks - plan.num_blocks, num_blocks, dtype=torch.int32, device=device)
+    ring = torch.arange(num_blocks - plan.ring_blocks, num_blocks, dtype=torch.int32, device=device)
     pool = RingPool(plan, k_cache, v_cache, ring[None])
     generator = torch.Generator().manual_seed(7)
     positions = torch.arange(context - (window - 1), context)
@@ -200,8 +200,8 @@ def test_draft_blocks_store_their_rows_after_reading(requests, window, bs, hq, h
     full block rows): the output is the read-only launch's, and the pool afterwards is the reference's byte for
     byte: each request's live block rows (``p >= seq_len - (W - 1)``) at their slots, fp8-quantized for an fp8
     ring, dead rows nowhere, every other byte (NaN poison included) as it was."""
-    case = make_ring_case(requests, window=window, block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                          dtype=dtype, pad_tokens=2, full_rows=vllm_slots, kv_dtype=fp8,
+    case = make_ring_case(requests, window=window, kv_block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                          dtype=dtype, pad_tokens=2, full_rows=vllm_slots, fp8_dtype=fp8,
                           seed=stable_seed(requests, window, d, vllm_slots)).to(device)  # fmt: skip
     real = int(case.query_start_loc[-1])
     slots, live = [], []

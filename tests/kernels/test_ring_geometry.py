@@ -11,23 +11,23 @@ from ringkv.kernels.ring_geometry import PAD_SLOT, RingPlan, first_visible_posit
 
 
 @pytest.mark.parametrize(
-    ("window", "block_size", "num_spec", "expected"),
+    ("window", "kv_block_size", "num_spec", "expected"),
     [(2048, 16, 7, 130), (2048, 16, 15, 130), (2048, 16, 17, 130), (2048, 16, 18, 131), (4096, 16, 7, 258),
      (1, 16, 0, 1), (16, 16, 0, 2), (17, 16, 7, 3)],
 )  # fmt: skip
-def test_ring_blocks(window, block_size, num_spec, expected):
-    plan = RingPlan.for_dflash(window, block_size, num_spec)
-    assert plan.num_blocks == expected
-    assert plan.num_slots == expected * block_size
+def test_ring_blocks(window, kv_block_size, num_spec, expected):
+    plan = RingPlan.for_dflash(window, kv_block_size, num_spec)
+    assert plan.ring_blocks == expected
+    assert plan.num_slots == expected * kv_block_size
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"window": 0, "block_size": 16, "lookahead": 8}, "window=0"),
-     ({"window": 2048, "block_size": 0, "lookahead": 8}, "block_size=0"),
-     ({"window": 2048, "block_size": 16, "lookahead": 0}, "lookahead=0"),
-     ({"window": 2048.0, "block_size": 16, "lookahead": 8}, "window=2048.0"),
-     ({"window": True, "block_size": 16, "lookahead": 8}, "window=True")],
+    [({"window": 0, "kv_block_size": 16, "lookahead": 8}, "window=0"),
+     ({"window": 2048, "kv_block_size": 0, "lookahead": 8}, "kv_block_size=0"),
+     ({"window": 2048, "kv_block_size": 16, "lookahead": 0}, "lookahead=0"),
+     ({"window": 2048.0, "kv_block_size": 16, "lookahead": 8}, "window=2048.0"),
+     ({"window": True, "kv_block_size": 16, "lookahead": 8}, "window=True")],
 )  # fmt: skip
 def test_impossible_plans_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -52,7 +52,7 @@ def test_blocks_for_tokens_caps_at_ring():
 
 
 def test_slot_mapping_pads_negative_and_dead_positions():
-    plan = RingPlan(window=4, block_size=2, lookahead=2)  # R = cdiv(4, 2) + 1 = 3, S = 6
+    plan = RingPlan(window=4, kv_block_size=2, lookahead=2)  # R = cdiv(4, 2) + 1 = 3, S = 6
     ring = torch.tensor([7, 3, 5])
     positions = torch.tensor([-1, 0, 1, 2, 3, 4, 5, 6, 7])
     slots = plan.slot_mapping(positions, ring, seq_len=8)
@@ -63,17 +63,17 @@ def test_slot_mapping_pads_negative_and_dead_positions():
 
 
 def test_full_rows_and_compact_rows_agree():
-    plan = RingPlan(window=37, block_size=8, lookahead=8)
-    ring = torch.randperm(100)[: plan.num_blocks]
+    plan = RingPlan(window=37, kv_block_size=8, lookahead=8)
+    ring = torch.randperm(100)[: plan.ring_blocks]
     positions = torch.arange(0, 1000)
-    full_row = ring[torch.arange(1000 // 8 + 1) % plan.num_blocks]
+    full_row = ring[torch.arange(1000 // 8 + 1) % plan.ring_blocks]
     compact = plan.slot_mapping(positions, ring)
     full = plan.slot_mapping(positions, full_row, period=full_row.shape[0])
     assert torch.equal(compact, full)
 
 
 def test_live_span():
-    plan = RingPlan(window=2048, block_size=16, lookahead=8)
+    plan = RingPlan(window=2048, kv_block_size=16, lookahead=8)
     assert plan.live_span(0) == (0, 8)
     assert plan.live_span(5000) == (5000 - 2047, 5008)
     assert first_visible_position(torch.tensor([0, 2047, 2048]), 2048).tolist() == [0, 0, 1]
@@ -82,15 +82,15 @@ def test_live_span():
 @settings(max_examples=300, deadline=None)
 @given(
     window=st.integers(1, 300),
-    block_size=st.integers(1, 40),
+    kv_block_size=st.integers(1, 40),
     lookahead=st.integers(1, 40),
     context_len=st.integers(0, 5000),
 )
-def test_live_blocks_map_to_distinct_physical_blocks(window, block_size, lookahead, context_len):
-    plan = RingPlan(window, block_size, lookahead)
+def test_live_blocks_map_to_distinct_physical_blocks(window, kv_block_size, lookahead, context_len):
+    plan = RingPlan(window, kv_block_size, lookahead)
     logical = plan.live_blocks(context_len)
-    assert len(logical) <= plan.num_blocks
-    assert len({j % plan.num_blocks for j in logical}) == len(logical)
+    assert len(logical) <= plan.ring_blocks
+    assert len({j % plan.ring_blocks for j in logical}) == len(logical)
 
 
 class RingSimulator:
@@ -127,14 +127,14 @@ step = st.one_of(
 @settings(max_examples=150, deadline=None)
 @given(
     window=st.integers(1, 200),
-    block_size=st.integers(1, 32),
+    kv_block_size=st.integers(1, 32),
     lookahead=st.integers(1, 33),
     steps=st.lists(step, min_size=1, max_size=25),
 )
-def test_random_step_sequences_never_overwrite_a_live_window(window, block_size, lookahead, steps):
+def test_random_step_sequences_never_overwrite_a_live_window(window, kv_block_size, lookahead, steps):
     """Prefill chunks of any size (larger than the ring too) and decode blocks with random rejections."""
-    plan = RingPlan(window, block_size, lookahead)
-    ring = torch.randperm(4 * plan.num_blocks)[: plan.num_blocks]
+    plan = RingPlan(window, kv_block_size, lookahead)
+    ring = torch.randperm(4 * plan.ring_blocks)[: plan.ring_blocks]
     sim = RingSimulator(plan, ring)
     for action in steps:
         if action[0] == "prefill":

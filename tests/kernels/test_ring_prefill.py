@@ -40,7 +40,7 @@ CASES = [
 @pytest.mark.parametrize(("requests", "window", "bs", "hq", "hkv", "d", "dtype", "causal", "full_rows"), CASES)
 def test_ring_prefill_matches_reference(requests, window, bs, hq, hkv, d, dtype, causal, full_rows, device):
     case = make_ring_case(
-        requests, window=window, block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype,
+        requests, window=window, kv_block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype,
         causal=causal, lookahead=1, full_rows=full_rows, pad_tokens=3, seed=stable_seed(requests, window, causal),
         mode=BatchMode.PREFILL_CHUNK,
     )  # fmt: skip
@@ -54,7 +54,7 @@ def test_chunks_through_the_ring_then_decode_match_full_history(causal, device):
     window, bs, hq, hkv, d = 24, 8, 4, 2, 16
     plan = RingPlan(window, bs, lookahead=4)
     generator = torch.Generator().manual_seed(3)
-    pool = RingPool.allocate(plan, 2, num_kv_heads=hkv, head_dim=d, device=device, num_blocks=2 * plan.num_blocks + 1,
+    pool = RingPool.allocate(plan, 2, num_kv_heads=hkv, head_dim=d, device=device, num_blocks=2 * plan.ring_blocks + 1,
                              generator=generator)  # fmt: skip
     history = [(torch.zeros(0, hkv, d), torch.zeros(0, hkv, d)) for _ in range(2)]
     for chunks in [(5, 150), (1, 90), (150, 1)]:
@@ -92,7 +92,7 @@ def test_chunks_through_the_ring_then_decode_match_full_history(causal, device):
 
 def test_vllm_slot_mapping_drops_dead_rows_and_duplicates(device):
     """With a caller's slot mapping (vLLM's), dead positions are not written and the last writer wins."""
-    case = make_ring_case([(0, 100)], window=16, block_size=4, num_q_heads=2, num_kv_heads=1, head_dim=16,
+    case = make_ring_case([(0, 100)], window=16, kv_block_size=4, num_q_heads=2, num_kv_heads=1, head_dim=16,
                           lookahead=1, mode=BatchMode.PREFILL_CHUNK)  # fmt: skip
     case = case.to(device)
     plan = case.plan
@@ -120,11 +120,11 @@ def test_query_tiles_go_on_grid_x(monkeypatch, device):
 
     monkeypatch.setattr(module, "_ring_attention_kernel", Recorder())
     monkeypatch.setattr(module, "is_interpreter", lambda: False)  # the native tiles, not the interpreter's tall ones
-    case = make_ring_case([(40, 8), (3, 5)], window=37, block_size=8, num_q_heads=8, num_kv_heads=2, head_dim=16,
+    case = make_ring_case([(40, 8), (3, 5)], window=37, kv_block_size=8, num_q_heads=8, num_kv_heads=2, head_dim=16,
                           lookahead=1, mode=BatchMode.PREFILL_CHUNK).to(device)  # fmt: skip
     batch = VarlenBatch(**{**case.batch().__dict__, "max_query_len": 1 << 21, "max_seq_len": (1 << 21) + 40})
     ring_attention(**{**case.kernel_args(), "batch": batch})
-    config = module.select_prefill_config(group_size=4, head_dim=16, head_dim_v=16, block_size=8)
+    config = module.select_prefill_config(group_size=4, head_dim=16, head_dim_v=16, kv_block_size=8)
     assert launches == [((1 << 21) // config.BLOCK_Q, 2, 2)] and launches[0][0] > module.MAX_GRID_YZ
     many = VarlenBatch(**{**batch.__dict__, "query_start_loc": torch.zeros(65_537, dtype=torch.int32),
                           "seq_lens": torch.ones(65_536, dtype=torch.int32),

@@ -45,7 +45,7 @@ CASES = [
 
 @pytest.mark.parametrize(("requests", "window", "hq", "hkv", "mode", "splits", "held"), CASES)
 def test_a_launch_through_a_workspace_equals_a_fresh_one_bitwise(requests, window, hq, hkv, mode, splits, held, device):
-    case = make_ring_case(requests, window=window, block_size=16, num_q_heads=hq, num_kv_heads=hkv, head_dim=32,
+    case = make_ring_case(requests, window=window, kv_block_size=16, num_q_heads=hq, num_kv_heads=hkv, head_dim=32,
                           mode=mode, pad_tokens=2, seed=7)  # fmt: skip
     args = case.to(device).kernel_args()
     fresh = launch(args, None, num_splits=splits)
@@ -62,7 +62,7 @@ def test_a_launch_through_a_workspace_equals_a_fresh_one_bitwise(requests, windo
 
 @pytest.mark.parametrize(("hkv", "requests"), [(1, [(150, 8)]), (2, [(150, 8), (70, 8)])], ids=["split", "unsplit"])
 def test_a_draft_launch_through_a_workspace_allocates_nothing(hkv, requests, device, monkeypatch):
-    case = make_ring_case(requests, window=128, block_size=16, num_q_heads=4 * hkv, num_kv_heads=hkv, head_dim=32,
+    case = make_ring_case(requests, window=128, kv_block_size=16, num_q_heads=4 * hkv, num_kv_heads=hkv, head_dim=32,
                           seed=3).to(device)  # fmt: skip
     chosen = []
     split_count = ring_attention_module.split_count
