@@ -18,7 +18,7 @@ without that specialisation compiles a different, worse kernel (``design/perform
 Usage (the full sweep writes ``bench/results/compile_report.jsonl`` and the table in ``bench/README.md``)::
 
     .venv/bin/ringkv bench compile-report
-    .venv/bin/ringkv bench compile-report --quick --out /tmp/report     # the CI subset, no README
+    .venv/bin/ringkv bench compile-report --quick --out "$(mktemp -d)"   # the CI subset, no README
     .venv/bin/ringkv bench compile-report --vllm-source /path/to/site-packages  # + vLLM's kernel
 
 vLLM's ``kernel_unified_attention`` is loaded at run time from its two source files (``vllm_unified.py``);

@@ -18,6 +18,8 @@ fi
 results=bench/results
 ringkv=.venv/bin/ringkv
 export COLUMNS=110
+# the figures, not vLLM's start-up warnings, in the text files
+export VLLM_LOGGING_LEVEL=ERROR
 
 # record FILE COMMAND...: run COMMAND, its output under a header naming the command and the commit
 record() {

@@ -3,18 +3,18 @@
 
 The GPU machine has torch and triton but no vLLM, so this drives the kernel calls ``RingKVImpl`` makes
 (``integration/vllm/backend_step.py`` and ``ring_attention``) with the inputs V2's DFlash speculator hands the backend
-(``/work/notes/vllm_v2_report.md``):
+(as read in vLLM 0.34's ``vllm/v1/worker/gpu/spec_decode/dflash/speculator.py`` and ``cudagraph.py``):
 
-- §1.3: persistent ``query_start_loc``, ``seq_lens``, block table and context slots sized for the graph's
+- inputs: persistent ``query_start_loc``, ``seq_lens``, block table and context slots sized for the graph's
   requests; a request's ``1 + N`` queries at ``P .. P + N``, ``seq_len = P + 1 + N``; padded requests repeat the
   last ``query_start_loc`` and get ``seq_len`` 0 and a zeroed block row; ``max_seq_len = max_model_len``.
-- §1.4: the context K/V of the target step's ``1 + N`` rows through ``do_kv_cache_update``, rejected rows and
+- context store: the context K/V of the target step's ``1 + N`` rows through ``do_kv_cache_update``, rejected rows and
   rows of padded requests PAD; a request's first chunk stored eagerly past the graph's rows (superseded
   duplicates: ``last_writer_slots``).
-- §2: on CUDA the store and the draft-block attention are captured once in a ``torch.cuda.CUDAGraph`` on
+- CUDA graph: on CUDA the store and the draft-block attention are captured once in a ``torch.cuda.CUDAGraph`` on
   ``_prepare_dflash_inputs_to_capture``'s dummy inputs (``seq_len = query_len``, zeroed rows, PAD slots); each
   step rewrites the buffers in place, fewer active requests than captured included, and replays.
-- §3: block-table rows ``cdiv(max_model_len, bs)`` wide, ``ring[j mod R]`` in column ``j``, the sliding-window
+- block table: rows ``cdiv(max_model_len, bs)`` wide, ``ring[j mod R]`` in column ``j``, the sliding-window
   gather's columns below ``(num_computed_tokens - (W - 1)) // bs`` nulled to block 0.
 
 Each step's replay is compared bitwise with an eager launch on the same inputs and ring, with the fp64 dense
