@@ -55,13 +55,18 @@ BS, W, LA = SMALL.drafter.kv_block_size, SMALL.drafter.window, SMALL.drafter.loo
 WIDTH = triton.cdiv(SMALL.max_model_len, BS)  # V2's row width: max_num_blocks_per_req(max_model_len)
 HKV, HQ = 2, 8
 HAS_IS_DRAFT = any(f.name == "is_draft" for f in dataclasses.fields(RingSWASpec))
+# KVCacheSpec.is_draft, vLLM 0.33+'s mark; on 0.32 (CI's version, no such field) a subclass adds it, so the
+# builder's reading of the mark is tested there too
+MarkableRingSpec = RingSWASpec if HAS_IS_DRAFT else dataclasses.make_dataclass(
+    "MarkableRingSpec", [("is_draft", bool, False)], bases=(RingSWASpec,), frozen=True
+)  # fmt: skip
 
 
 def ring_spec(head_size: int, head_size_v: int, draft: bool) -> RingSWASpec:
     """The group spec the drafter's builder gets: ``customize_spec``'s ring spec, marked ``is_draft`` by V2."""
-    spec = RingSWASpec(block_size=BS, num_kv_heads=HKV, head_size=head_size, head_size_v=head_size_v,
-                       dtype=torch.float32, sliding_window=W, lookahead=LA)  # fmt: skip
-    return dataclasses.replace(spec, is_draft=True) if draft and HAS_IS_DRAFT else spec
+    spec = MarkableRingSpec(block_size=BS, num_kv_heads=HKV, head_size=head_size, head_size_v=head_size_v,
+                            dtype=torch.float32, sliding_window=W, lookahead=LA)  # fmt: skip
+    return dataclasses.replace(spec, is_draft=draft)
 
 
 def v2_loaded_config(target_layers: list[str], draft_layers: list[str]) -> SimpleNamespace:
@@ -117,9 +122,13 @@ class Requests:
     step_start: list[int] = dataclasses.field(default_factory=list)
 
 
+# the K/V of V2's PAD context rows: finite, so a store of one anywhere (the null block's NaN included) shows
+PAD_ROW = 7777.0
+
+
 def store_context(impl, kv_cache: torch.Tensor, chunks: dict[str, list[int]], head_size_v: int) -> Requests:
     """Each request's prompt through vLLM's KVCacheManager (ring) chunk by chunk; every chunk's context rows go
-    through ``do_kv_cache_update`` with V2's PAD rows mixed in (rejected suffix rows, NaN K/V)."""
+    through ``do_kv_cache_update`` with V2's PAD rows mixed in (rejected suffix rows), which must land nowhere."""
     register()
     out = Requests(SMALL.manager(ring=True))
     for rid, sizes in chunks.items():
@@ -130,9 +139,16 @@ def store_context(impl, kv_cache: torch.Tensor, chunks: dict[str, list[int]], he
             assert out.manager.allocate_slots(request, size, num_lookahead_tokens=LA) is not None
             request.num_computed_tokens = start + size
             slots = slot_of(drafter_row(out.manager, rid), torch.arange(start, start + size))
-            k = torch.cat([k_hist[start : start + size], torch.full((3, HKV, impl.head_size), NAN)])
-            v = torch.cat([v_hist[start : start + size], torch.full((3, HKV, head_size_v), NAN)])
+            k = torch.cat([k_hist[start : start + size], torch.full((3, HKV, impl.head_size), PAD_ROW)])
+            v = torch.cat([v_hist[start : start + size], torch.full((3, HKV, head_size_v), PAD_ROW)])
+            expected = kv_cache.clone()
+            expected_slots = expected.permute(0, 2, 1, 3)  # [B, bs, Hkv, D + Dv], a view
+            for row, slot in enumerate(slots.tolist()):  # in order: a slot's last writer wins; PAD (null) rows skip
+                if slot >= 0:
+                    expected_slots[slot // BS, slot % BS] = torch.cat([k[row], v[row]], -1)
             impl.do_kv_cache_update(None, k, v, kv_cache, torch.cat([slots, torch.full((3,), PAD_SLOT)]))
+            # every block, the null block included, changed at this chunk's slots only: no PAD row stored anywhere
+            assert torch.equal(kv_cache.nan_to_num(), expected.nan_to_num()), f"{rid}: a store outside its slots"
             start += size
         out.context_len.append(total)
         out.rows.append(drafter_row(out.manager, rid))
@@ -259,6 +275,14 @@ def test_the_builder_learns_draft_layers_from_model_runner_v2(draft_layers, buil
     builder = RingKVBackend.get_builder_cls()(spec, builder_layers, config, "cpu")
     buffers = SpeculatorBuffers(max_num_reqs=1)
     assert builder.build(0, buffers.capture(num_reqs=1, causal=False)).write_ring is writes_ring
+
+
+def test_the_builder_reads_a_spec_vllm_marked_as_a_drafters():
+    """0.33+: Model Runner V2 marks the drafter group's spec ``is_draft`` (``attn_utils.get_kv_cache_spec``) and
+    marks no layer; that builder stores no block rows."""
+    builder = RingKVBackend.get_builder_cls()(ring_spec(32, 32, draft=True), ["d0"], v2_loaded_config(["t0"], []),
+                                              "cpu")  # fmt: skip
+    assert not builder.build(0, SpeculatorBuffers(max_num_reqs=1).capture(num_reqs=1, causal=False)).write_ring
 
 
 def test_a_replay_reads_this_steps_buffers_through_the_captured_metadata():
