@@ -57,7 +57,7 @@ class Version:
 
     @property
     def pytest_plugins(self) -> list[str]:
-        return [] if self.engine else ["-p", "compat_cpu_platform"]
+        return [] if self.engine else ["-p", "vllm_cpu_shims"]
 
 
 def probe(version: Version) -> tuple[str | None, str]:
