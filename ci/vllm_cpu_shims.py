@@ -9,6 +9,18 @@ fails on the GPU wheel without it, how it fails, the vLLM versions where it was 
 ``reproduce`` that makes that call; ``tests/integration/test_vllm_cpu_shims.py`` fails when a vLLM version no
 longer fails that way (the shim is unnecessary), when the patched target changed, or when a torch replacement's
 output differs from vLLM's own torch-native layer. ``ENGINE_ARGS`` is the one engine argument the runs need.
+
+The venv (vLLM 0.34.0; what vLLM's import needs, found by trying; from the repository root)::
+
+    python3 -m venv VENV && P=VENV/bin/pip
+    $P install -c ci/constraints-cpu.txt torch==2.13.0 triton==3.6.0
+    $P install --no-deps vllm==0.34.0
+    $P install -c ci/constraints-cpu.txt "transformers>=5.16.1,<5.23" "fastapi>=0.133,<0.137" tokenizers \
+        safetensors pydantic msgspec cloudpickle openai openai-harmony prometheus_client psutil pyzmq blake3 cbor2 \
+        gguf sentencepiece regex partial-json-parser aiohttp pybase64 cachetools uvloop llguidance xgrammar einops \
+        pytest pytest-benchmark hypothesis typer tqdm matplotlib
+    $P install --no-deps compressed-tensors==0.17.0 loguru
+    $P install --no-deps -e .
 """
 
 from __future__ import annotations

@@ -95,11 +95,13 @@ def models_dir(pytestconfig, tmp_path_factory):
 
 
 def engine_run(models, backend: str | None, prompts: list[list[int]], max_tokens: int, **kwargs) -> EngineRun:
+    import vllm_cpu_shims
+
     layers = drafter_layer_names(SHAPE.target_layers, SHAPE.drafter_layers)
     spec = EngineRunSpec(
         target=str(models.target), drafter=str(models.drafter), drafter_backend=backend, prompts=prompts,
         max_tokens=max_tokens, kv_block_size=BLOCK, max_model_len=2048, max_num_seqs=len(prompts),
-        extra_engine_args={"attention_backend": "RINGKV"}, environment={"VLLM_TARGET_DEVICE": "cpu"},
+        extra_engine_args=vllm_cpu_shims.ENGINE_ARGS, environment={"VLLM_TARGET_DEVICE": "cpu"},
         preload=["vllm_cpu_shims:install"], **kwargs,
     )  # fmt: skip
     return run_engine(spec, drafter_layers=layers)
@@ -154,15 +156,18 @@ def test_spec_decode_counters_are_identical_and_acceptance_is_partial(sliding):
     _, _, runs = sliding
     assert runs["ring"].spec_decode == runs["rows"].spec_decode
     assert_counters_partial(runs["ring"])
+    print(f"sliding drafter: {runs['ring'].spec_decode}")  # noqa: T201 -- the measured figure (-rP)
 
 
-def test_the_drafter_group_holds_exactly_r_blocks_on_the_ring_and_more_on_stock_rows(sliding):
+def test_the_drafter_group_holds_exactly_r_blocks_on_the_ring_and_window_plus_chunk_on_stock_rows(sliding):
     _, _, runs = sliding
     assert runs["ring"].scheduler["ring_blocks"] == RING_BLOCKS == 4
     full = blocks_once_full(runs["ring"])
     assert len(full) > 10 and set(full) == {RING_BLOCKS}
+    assert max(held for step in held_blocks(runs["ring"]) for _, held in step.values()) == RING_BLOCKS
     assert runs["rows"].scheduler["ring_blocks"] is None
-    assert max(blocks_once_full(runs["rows"])) > RING_BLOCKS, "vLLM's rows hold window + chunk"
+    rows = [held for step in held_blocks(runs["rows"]) for _, held in step.values()]
+    assert max(rows) > RING_BLOCKS, "vLLM's rows hold window + chunk during a prefill chunk"
 
 
 def test_ringkv_ran_every_drafter_layer_with_bitwise_equal_outputs_on_the_ring_and_stock_rows(sliding):
@@ -170,7 +175,7 @@ def test_ringkv_ran_every_drafter_layer_with_bitwise_equal_outputs_on_the_ring_a
 
     _, _, runs = sliding
     ring, rows = runs["ring"], runs["rows"]
-    assert min(drafter_calls(ring).values()) > 10 and drafter_calls(ring) == drafter_calls(rows)
+    assert min(drafter_calls(ring).values()) >= 5 and drafter_calls(ring) == drafter_calls(rows)
     ring_outputs, rows_outputs = ring.outputs(), rows.outputs()
     assert ring_outputs.keys() == rows_outputs.keys() and len(ring_outputs) == SHAPE.drafter_layers
     for key, calls in ring_outputs.items():
@@ -187,7 +192,8 @@ def test_a_mixed_sliding_and_full_drafter_rings_its_sliding_layer_and_keeps_the_
     assert mixed["ring"].tokens == mixed["rows"].tokens == runs[None].tokens
     assert mixed["ring"].spec_decode == mixed["rows"].spec_decode
     assert_counters_partial(mixed["ring"])
-    assert min(drafter_calls(mixed["ring"]).values()) > 10
+    print(f"mixed drafter: {mixed['ring'].spec_decode}")  # noqa: T201 -- the measured figure (-rP)
+    assert min(drafter_calls(mixed["ring"]).values()) >= 5
     assert set(blocks_once_full(mixed["ring"])) == {RING_BLOCKS}
 
 
@@ -201,3 +207,4 @@ def test_a_prompt_wrapping_the_ring_many_times_through_chunked_prefill(sliding, 
     full = blocks_once_full(run)
     assert len(full) > 16 and set(full) == {RING_BLOCKS}
     assert run.spec_decode["accepted"] > 0, run.spec_decode
+    print(f"{len(tokens)}-token prompt: {len(prefill_steps)} prefill steps, {run.spec_decode}")  # noqa: T201
