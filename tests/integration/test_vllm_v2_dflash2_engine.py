@@ -12,7 +12,6 @@ naming that fix, and under ``RINGKV_REQUIRE=vllm`` that skip fails the run.
 
 from __future__ import annotations
 
-import importlib.util
 import random
 
 import pytest
@@ -33,6 +32,8 @@ VLLM_FIX = (
     "TRITON_INTERPRET=1 PYTHONPATH=ci <venv>/bin/python -m pytest -p vllm_cpu_shims -m slow "
     "tests/integration/test_vllm_v2_dflash2_engine.py"
 )
+# the vLLM (distribution, version) whose GPU wheel on CPU these runs were written and checked for
+ENGINE_VLLM = ("vllm", "0.34.0")
 SLIDING_DRAFTER = DFlash2ModelSpec()
 MIXED_DRAFTER = DFlash2ModelSpec(layer_types=(SLIDING, FULL))
 SHAPE = SLIDING_DRAFTER.models
@@ -74,15 +75,13 @@ def continuation(chain: list[int], tokens: list[int], count: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def v2_dflash2(pytestconfig) -> None:
-    """Skip (naming the fix) without vLLM 0.34's V2 DFlash2; fail when the CPU shims are not loaded."""
-    try:
-        found = importlib.util.find_spec("vllm.v1.worker.gpu.spec_decode.dflash2.speculator") is not None
-    except ModuleNotFoundError:
-        found = False
-    if not found:
-        from ringkv.integration.vllm._compat import VLLM_DIST, VLLM_VERSION
+    """Skip (naming the fix) unless vLLM is the GPU wheel these runs were written for; fail when the CPU shims are
+    not loaded."""
+    from ringkv.integration.vllm._compat import VLLM_DIST, VLLM_VERSION
 
-        pytest.skip(f"{VLLM_DIST} {VLLM_VERSION} has no Model Runner V2 DFlash2 speculator: {VLLM_FIX}")
+    if (VLLM_DIST, VLLM_VERSION) != ENGINE_VLLM:
+        pytest.skip(f"these runs need {' '.join(ENGINE_VLLM)}'s GPU wheel (its V2 CPU runner and DFlash2 "
+                    f"speculator, with ci/vllm_cpu_shims.py), not {VLLM_DIST} {VLLM_VERSION}: {VLLM_FIX}")  # fmt: skip
     if not pytestconfig.pluginmanager.has_plugin("vllm_cpu_shims"):
         pytest.fail(f"vLLM's GPU wheel on CPU needs ci/vllm_cpu_shims.py (-p vllm_cpu_shims): {VLLM_FIX}")
 
