@@ -44,7 +44,7 @@ RING_BLOCKS = ring_blocks_needed(WINDOW, BLOCK, lookahead=SHAPE.draft_block)
 # the continuation from its window, a random tail makes it recall the chain map: acceptance in between
 PROMPTS = ((200, 150), (160, 0), (97, 90))
 MAX_TOKENS = 12
-WRAP_PROMPT = (17 * WINDOW + 40, 120)  # ring wraps >= 16 windows during the prefill
+WRAP_PROMPT = (17 * WINDOW + 40, 120)  # spans >= 16 windows: the ring's R * BLOCK slots wrap 8 times
 WRAP_CHUNK = 64  # max_num_batched_tokens: the long prompt's prefill in chunks
 
 
