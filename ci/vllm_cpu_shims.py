@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-# the target's attention on ringkv too: vLLM's CPU_ATTN needs the CPU C++ ops (``target_on_cpu_attention`` below)
+# the target's attention on ringkv too: vLLM's CPU_ATTN needs the CPU C++ ops (shim ``target_on_ringkv`` below)
 ENGINE_ARGS: dict[str, Any] = {"attention_backend": "RINGKV"}
 
 
