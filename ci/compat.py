@@ -24,7 +24,7 @@ from ringkv.bench.records import git_commit
 
 ROOT = Path(__file__).resolve().parent.parent
 # the pytest plugin (a module in ci/) that runs a GPU wheel on vLLM's own CPU platform
-CPU_SHIMS_PLUGIN = "compat_cpu_platform"
+CPU_SHIMS_PLUGIN = "vllm_cpu_shims"
 DEFAULT_MARKERS = "not slow and not gpu"
 
 
@@ -66,6 +66,13 @@ def needs_engine(version: Version) -> str | None:
     return "not run: needs vllm-cpu's engine (vllm-cpu 0.32.0 only; no vllm-cpu 0.33/0.34 exists)"
 
 
+def needs_gpu_wheel(version: Version) -> str | None:
+    """Why the CPU shims' tests do not run on ``version`` (None: they do): vllm-cpu has its CPU ops built in."""
+    if not version.engine:
+        return None
+    return "not run: vllm-cpu has its CPU ops built in and loads no shim"
+
+
 def needs_v2_cpu_runner(version: Version) -> str | None:
     """Why a group needing Model Runner V2 on CPU (vLLM 0.34's GPU wheel with the CPU shims) cannot run."""
     if not version.engine and version.release[:2] >= (0, 34):
@@ -93,6 +100,7 @@ GROUPS = {
     "engine end to end": Group((
         "tests/integration/test_vllm_engine_e2e.py", "tests/integration/test_vllm_cpu_sliding_e2e.py",
     ), cannot_run=needs_engine),
+    "CPU shims": Group(("tests/integration/test_vllm_cpu_shims.py",), cannot_run=needs_gpu_wheel),
     # slow: the engine runs a prompt end to end
     "V2 DFlash2 engine": Group(
         ("tests/integration/test_vllm_v2_dflash2_engine.py",), markers="not gpu", cannot_run=needs_v2_cpu_runner,

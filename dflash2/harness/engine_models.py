@@ -13,14 +13,17 @@ and only through its context K/V: a ring that serves the wrong K/V collapses its
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from ringkv.dflash2.config import FULL, SLIDING, DFlashConfig, parse_config
+from ringkv.dflash2.config import FULL, SLIDING, DFlashConfig, LayerAttention, parse_config
 from ringkv.dflash2.model import DFlash2Drafter
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, visible
+from torch import nn
 
 # tokens 0..2 are special (pad, bos, eos) and the last one is the drafter's mask token
 FIRST_TOKEN = 3
@@ -100,10 +103,11 @@ def drafter_config(spec: EngineModelSpec) -> DFlashConfig:
 
 
 class _SharedPositionsBatch:
-    """A training ``DraftKVStore``: N examples whose contexts all span positions ``0..P-1``."""
+    """A training ``DraftKVStore``: N examples whose contexts all span positions ``0..P-1``; each layer attends
+    with its own (window, causal) from ``layers``."""
 
-    def __init__(self, num_examples: int, context: int, window: int, causal: bool) -> None:
-        self.n, self.context, self.window, self.causal = num_examples, context, window, causal
+    def __init__(self, num_examples: int, context: int, layers: tuple[LayerAttention, ...]) -> None:
+        self.n, self.context, self.layers = num_examples, context, layers
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def write(self, layer: int, request: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -117,15 +121,33 @@ class _SharedPositionsBatch:
         keys = torch.cat([k_ctx, k_new.view(self.n, block, *k_new.shape[1:])], 1).transpose(1, 2)
         values = torch.cat([v_ctx, v_new.view(self.n, block, *v_new.shape[1:])], 1).transpose(1, 2)
         q_pos = torch.arange(self.context, self.context + block)
-        mask = visible(q_pos[:, None], torch.arange(self.context + block)[None, :], self.window, self.causal)
+        attention = self.layers[layer]
+        window = UNBOUNDED_WINDOW if attention.window is None else attention.window
+        mask = visible(q_pos[:, None], torch.arange(self.context + block)[None, :], window, attention.causal)
         out = F.scaled_dot_product_attention(
             q.view(self.n, block, *q.shape[1:]).transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True
         )
         return out.transpose(1, 2).reshape(q.shape)
 
 
-def train_drafter(spec: EngineModelSpec, target, config: DFlashConfig) -> tuple[DFlash2Drafter, float]:
-    """Train on chains of the target's map ``g``; returns the drafter and its last-batch token accuracy."""
+class CandidateHead(Protocol):
+    """Scores added to the target head's logits of each draft position (DFlash2's candidate selector)."""
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+
+    def edge_logits(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """``[N, S, vocab]`` for draft hidden states ``[N, S, hidden]`` whose previous tokens are ``[N, S]``."""
+
+
+def train_drafter(
+    spec: EngineModelSpec,
+    target,
+    config: DFlashConfig,
+    drafter: DFlash2Drafter | None = None,
+    candidate_head: CandidateHead | None = None,
+) -> tuple[DFlash2Drafter, float]:
+    """Train ``drafter`` (default: a fresh one of ``config``) and ``candidate_head`` (if any) on chains of the
+    target's map ``g``; returns the drafter and its last-batch token accuracy."""
     vocab, block = spec.vocab_size, spec.draft_block
     with torch.no_grad():
         out = target(torch.arange(vocab)[:, None], output_hidden_states=True)
@@ -133,11 +155,13 @@ def train_drafter(spec: EngineModelSpec, target, config: DFlashConfig) -> tuple[
         # the target's features depend on the token alone: one row per token
         features = torch.cat([out.hidden_states[i + 1][:, 0] for i in spec.target_layer_ids], -1)
     torch.manual_seed(spec.seed)
-    drafter = DFlash2Drafter(config, target_hidden_size=spec.hidden_size)
+    drafter = drafter or DFlash2Drafter(config, target_hidden_size=spec.hidden_size)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    window = spec.drafter_window or UNBOUNDED_WINDOW
-    longest = min(window, 2 * (spec.drafter_window or 64))
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    # contexts up to a window, up to two where a full-attention layer sees further back
+    full_layers = any(layer.window is None for layer in config.layers)
+    longest = 2 * (spec.drafter_window or 64) if full_layers else spec.drafter_window
+    parameters = [*drafter.parameters(), *(candidate_head.parameters() if candidate_head else ())]
+    optimizer = torch.optim.AdamW(parameters, lr=1e-2)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, 1e-2, total_steps=spec.train_steps)
     generator = torch.Generator().manual_seed(spec.seed)
     examples, accuracy = 64, 0.0
@@ -147,13 +171,17 @@ def train_drafter(spec: EngineModelSpec, target, config: DFlashConfig) -> tuple[
         for _ in range(context + block - 1):
             chain.append(chain_map[chain[-1]])
         tokens = torch.stack(chain, 1)  # [examples, context + block]
-        store = _SharedPositionsBatch(examples, context, window, causal=False)
+        store = _SharedPositionsBatch(examples, context, config.layers)
         rows = features[tokens[:, :context]].reshape(examples * context, -1)
         drafter.write_context(store, 0, rows, torch.arange(context).repeat(examples))
         query = torch.full((examples, block), config.mask_token_id)
         query[:, 0] = tokens[:, context]
         hidden = drafter.forward_block(store, embed(query.flatten()).detach(), [context] * examples, block)
-        logits = head(hidden.view(examples, block, -1)[:, 1:])
+        drafts = hidden.view(examples, block, -1)[:, 1:]
+        logits = head(drafts)
+        if candidate_head is not None:
+            # each draft position's previous token: the anchor, then the true chain (greedy drafts that match)
+            logits = logits + candidate_head.edge_logits(drafts, tokens[:, context : context + block - 1])
         labels = tokens[:, context + 1 :]
         loss = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1))
         optimizer.zero_grad()

@@ -79,6 +79,8 @@ class ProbeRecord:
     pool_at_shutdown: BlockPool | None = None
     ring_blocks: int | None = None
     drafter_kv_block_size: int | None = None
+    # the scheduler's KV groups: (spec class name, layer names)
+    kv_cache_groups: list[tuple[str, list[str]]] = field(default_factory=list)
 
 
 _record: ProbeRecord | None = None
@@ -155,6 +157,8 @@ def _scheduler_probes() -> None:
     def schedule(original):
         def wrapped(self, *args, **kwargs):
             group = _drafter_group(self)
+            _record.kv_cache_groups = [(type(g.kv_cache_spec).__name__, list(g.layer_names))
+                                       for g in self.kv_cache_config.kv_cache_groups]  # fmt: skip
             output = original(self, *args, **kwargs)
             if group is not None:
                 manager = self.kv_cache_manager.coordinator.single_type_managers[group]
@@ -196,11 +200,12 @@ def _scheduler_probes() -> None:
 
 
 def _drafter_group(scheduler: Any) -> int | None:
+    """The KV group of the drafter's layers; of its sliding-window group where it has full layers too."""
     names = set(_config.drafter_layers)
-    for index, group in enumerate(scheduler.kv_cache_config.kv_cache_groups):
-        if names & set(group.layer_names):
-            return index
-    return None
+    groups = [(index, group) for index, group in enumerate(scheduler.kv_cache_config.kv_cache_groups)
+              if names & set(group.layer_names)]  # fmt: skip
+    sliding = [index for index, group in groups if getattr(group.kv_cache_spec, "sliding_window", None)]
+    return (sliding or [index for index, _ in groups] or [None])[0]
 
 
 def _saving_first(original):

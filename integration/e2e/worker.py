@@ -11,6 +11,7 @@ prefix-cache and preemption counters, and timings.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -21,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 RESULT_PREFIX = "RESULT "
-# the drafter's attention: None = no speculative decoding, "stock" = vLLM's choice, "ring" = RINGKV
-DRAFTER_BACKENDS = (None, "stock", "ring")
+# the drafter's attention: None = no speculative decoding, "stock" = vLLM's choice, "ring" = RINGKV, "rows" =
+# RINGKV's kernels over vLLM's own sliding-window rows (its spec left as vLLM made it: the stock layout where
+# vLLM's own attention cannot run, as on the GPU wheel on CPU)
+DRAFTER_BACKENDS = (None, "stock", "ring", "rows")
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,10 @@ class EngineRunSpec:
     # the drafter's own KV cache dtype (vLLM speculative_config.kv_cache_dtype, e.g. "fp8_e4m3"); None inherits
     drafter_kv_cache_dtype: str | None = None
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
+    # set in the engine process before vLLM is imported (e.g. VLLM_TARGET_DEVICE)
+    environment: dict[str, str] = field(default_factory=dict)
+    # "module:function"s the engine process calls before it imports vLLM (e.g. "vllm_cpu_shims:install")
+    preload: list[str] = field(default_factory=list)
 
 
 def engine_environment(spec: EngineRunSpec) -> dict[str, str]:
@@ -76,6 +83,7 @@ def engine_environment(spec: EngineRunSpec) -> dict[str, str]:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % cores) for rank in range(spec.tensor_parallel_size))
     if spec.probe is not None:
         env["RINGKV_E2E_PROBE"] = json.dumps(spec.probe)
+    env.update(spec.environment)
     return env
 
 
@@ -112,7 +120,7 @@ def engine_kwargs(spec: EngineRunSpec) -> dict[str, Any]:
         speculative: dict[str, Any] = {
             "method": "dflash", "model": spec.drafter, "num_speculative_tokens": speculative_tokens(spec),
         }  # fmt: skip
-        if spec.drafter_backend == "ring":
+        if spec.drafter_backend in ("ring", "rows"):
             # the documented selection
             speculative["attention_backend"] = "RINGKV"
         if spec.drafter_kv_cache_dtype is not None:
@@ -182,6 +190,10 @@ def run(spec: EngineRunSpec) -> dict[str, Any]:
     from vllm.sampling_params import RequestOutputKind
 
     start = time.perf_counter()
+    if spec.drafter_backend == "rows":
+        from ringkv.integration.vllm.backend import RingKVBackend
+
+        RingKVBackend.customize_spec = classmethod(lambda cls, kv_cache_spec: kv_cache_spec)
     # LLM() validates attention_config before it loads plugins: "RINGKV" must be registered first
     load_general_plugins()
     llm = LLM(**engine_kwargs(spec))
@@ -219,6 +231,9 @@ def main(argv: list[str]) -> None:
     if spec.drafter_backend not in DRAFTER_BACKENDS:
         raise SystemExit(f"drafter_backend={spec.drafter_backend!r}; use one of {DRAFTER_BACKENDS}")
     os.environ.update(engine_environment(spec))
+    for target in spec.preload:
+        module, function = target.split(":")
+        getattr(importlib.import_module(module), function)()
     with tempfile.TemporaryDirectory(prefix="ringkv-e2e-plugin-") as plugins:
         if spec.probe is not None:
             probe_on_path(Path(plugins))

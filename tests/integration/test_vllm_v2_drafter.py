@@ -90,9 +90,18 @@ def v2_loaded_config(target_layers: list[str], draft_layers: list[str]) -> Simpl
 
     config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=context),
                              model_config=SimpleNamespace(supports_multimodal_inputs=False))  # fmt: skip
-    speculator = SimpleNamespace(vllm_config=config, load_draft_model=load_draft_model, use_acceptance_estimator=False,
-                                 _validate_local_argmax_reduction=lambda: None)  # fmt: skip
-    dflash_speculator_class().load_model(speculator, None)
+    # an instance of vLLM's own class (0.34's load_model calls super()), its attributes as __init__ leaves them for a
+    # single-GPU drafter without draft logits or an acceptance estimator
+    speculator = object.__new__(dflash_speculator_class())
+    vars(speculator).update(
+        vllm_config=config,
+        load_draft_model=load_draft_model,
+        use_acceptance_estimator=False,
+        use_draft_logits=False,
+        dcp_size=1,
+        _validate_local_argmax_reduction=lambda: None,
+    )
+    speculator.load_model(None)
     assert speculator.draft_attn_layer_names == set(draft_layers)
     return config
 
