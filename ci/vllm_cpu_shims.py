@@ -1,30 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every patch that vLLM's GPU wheel (vLLM 0.34.0, installed ``--no-deps`` beside CPU torch) needs to run on its own
-CPU platform (``VLLM_TARGET_DEVICE=cpu``) with Model Runner V2's CPU runner: outside CI, for the 0.33/0.34
-columns of ``ci/compat.py`` and ``tests/integration/test_vllm_v2_dflash2_engine.py``.
+"""Every patch that vLLM's GPU wheels (0.33.0, 0.34.0; installed ``--no-deps`` beside CPU torch) need to run on
+their own CPU platform (``VLLM_TARGET_DEVICE=cpu``), 0.34's with Model Runner V2's CPU runner: outside CI, for the
+0.33/0.34 columns of ``ci/compat.py`` and ``tests/integration/test_vllm_v2_dflash2_engine.py``.
 
 As a pytest plugin (``PYTHONPATH=ci``, ``-p vllm_cpu_shims``) it installs the patches before any test imports
 vLLM; an engine process calls ``install()`` first thing. ``SHIMS`` is the table: per shim the vLLM call that
-fails on the GPU wheel without it, how it fails, the vLLM versions where it was seen to fail so, and a
-``reproduce`` that makes that call; ``tests/integration/test_vllm_cpu_shims.py`` fails when a vLLM version no
-longer fails that way (the shim is unnecessary), when the patched target changed, or when a torch replacement's
-output differs from vLLM's own torch-native layer. ``ENGINE_ARGS`` is the one engine argument the runs need.
+fails on the GPU wheel without it, how it fails, the vLLM versions where it was seen to fail so (and those where
+it was not: there it is not installed), and a ``reproduce`` that makes that call;
+``tests/integration/test_vllm_cpu_shims.py`` fails when a vLLM version no longer fails that way (the shim is
+unnecessary), when the patched target changed, or when a torch replacement's output differs from vLLM's own
+torch-native layer. ``ENGINE_ARGS`` is the one engine argument the runs need.
 
-The venv (vLLM 0.34.0; what vLLM's import needs, found by trying; from the repository root)::
-
-    python3 -m venv VENV && P=VENV/bin/pip
-    $P install -c ci/constraints-cpu.txt torch==2.13.0 triton==3.6.0
-    $P install --no-deps vllm==0.34.0
-    $P install -c ci/constraints-cpu.txt "transformers>=5.16.1,<5.23" "fastapi>=0.133,<0.137" tokenizers \
-        safetensors pydantic msgspec cloudpickle openai openai-harmony prometheus_client psutil pyzmq blake3 cbor2 \
-        gguf sentencepiece regex partial-json-parser aiohttp pybase64 cachetools uvloop llguidance xgrammar einops \
-        pytest pytest-benchmark hypothesis typer tqdm matplotlib
-    $P install --no-deps compressed-tensors==0.17.0 loguru
-    $P install --no-deps -e .
+The venv: ``.venv/bin/nox -s "vllm(0.34.0)"`` builds it under ``.nox/`` (``noxfile.py``: the wheel ``--no-deps``
+beside CPU torch, with ``GPU_WHEEL_DEPS`` at the wheel's own bounds).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +46,8 @@ class Shim:
     parameters: tuple[str, ...] | None = None
     # "module:attribute" of the patched or called vLLM function
     target: str | None = None
+    # vLLM versions where that call was run unshimmed and did not fail so: not installed there
+    unneeded: tuple[str, ...] = ()
 
 
 def _nvidia_driver_active() -> None:
@@ -144,28 +139,29 @@ SHIMS: dict[str, Shim] = {shim.name: shim for shim in (
          answers="vllm.triton_utils.importing (HAS_TRITON: one active GPU driver) -> "
                  "CpuPlatform.check_and_update_config and Worker.__init__; vLLM's triton.jit kernels then run in "
                  "Triton's interpreter (TRITON_INTERPRET=1)",
-         failure="vLLM on x86 CPUs requires Triton (triton-cpu)", versions=("0.34.0",),
+         failure="vLLM on x86 CPUs requires Triton (triton-cpu)", versions=("0.34.0",), unneeded=("0.33.0",),
          reproduce=_reproduce_no_triton, install=_nvidia_driver_active,
          target="vllm.platforms.cpu:CpuPlatform.check_and_update_config"),
     Shim("init_cpu_memory_env",
          answers="CPUWorker.__init__ -> torch.ops._C.init_cpu_memory_env (the wheel has no CPU C++ ops): a no-op",
-         failure="init_cpu_memory_env", versions=("0.34.0",),
+         failure="init_cpu_memory_env", versions=("0.33.0", "0.34.0"),
          reproduce=_reproduce_init_cpu_memory_env, install=_define_init_cpu_memory_env,
          target="vllm.v1.worker.cpu_worker:CPUWorker.__init__"),
     Shim("target_on_ringkv",
          answers="the target's CPU_ATTN metadata build -> vllm._cpu_ops.cpu_attn_get_scheduler_metadata -> "
                  "torch.ops._C: the target's layers on RINGKV too (ENGINE_ARGS)",
-         failure="get_scheduler_metadata", versions=("0.34.0",), reproduce=_reproduce_cpu_attention,
+         failure="get_scheduler_metadata", versions=("0.34.0",), unneeded=("0.33.0",),
+         reproduce=_reproduce_cpu_attention,
          target="vllm._cpu_ops:cpu_attn_get_scheduler_metadata"),
     Shim("torch_rms_norm",
          answers="vllm._custom_ops.rms_norm (DFlashQwen3Model.precompute_and_store_context_kv calls it itself) -> "
                  "torch.ops._C.rms_norm: the torch rms_norm above",
-         failure="rms_norm", versions=("0.34.0",), reproduce=_reproduce_rms_norm, install=_torch_rms_norm,
+         failure="rms_norm", versions=("0.33.0", "0.34.0"), reproduce=_reproduce_rms_norm, install=_torch_rms_norm,
          parameters=("out", "input", "weight", "epsilon"), target="vllm._custom_ops:rms_norm"),
     Shim("torch_rotary_embedding",
          answers="vllm._custom_ops.rotary_embedding (RotaryEmbedding.forward_cpu; DFlashQwen3Model."
                  "precompute_and_store_context_kv) -> torch.ops._C.rotary_embedding: the torch rotary above",
-         failure="rotary_embedding", versions=("0.34.0",), reproduce=_reproduce_rotary_embedding,
+         failure="rotary_embedding", versions=("0.33.0", "0.34.0"), reproduce=_reproduce_rotary_embedding,
          install=_torch_rotary_embedding,
          parameters=("positions", "query", "key", "head_size", "cos_sin_cache", "is_neox", "rope_dim_offset",
                      "inverse"),
@@ -192,13 +188,15 @@ _installed: set[str] = set()  # shim names
 
 
 def install(without: tuple[str, ...] = ()) -> None:
-    """Install every shim but those named in ``without`` (the nvidia driver first: before ``vllm.triton_utils``
-    is imported)."""
+    """Install every shim but those named in ``without`` and those this vLLM does not need (the nvidia driver
+    first: before ``vllm.triton_utils`` is imported)."""
     unknown = set(without) - SHIMS.keys()
     if unknown:
         raise ValueError(f"unknown shims {sorted(unknown)}; known: {sorted(SHIMS)}")
+    installed_vllm = importlib.metadata.version("vllm")  # without importing vLLM
     for shim in SHIMS.values():
-        if shim.install is not None and shim.name not in without and shim.name not in _installed:
+        skipped = shim.name in without or installed_vllm in shim.unneeded
+        if shim.install is not None and not skipped and shim.name not in _installed:
             shim.install()
             _installed.add(shim.name)
 

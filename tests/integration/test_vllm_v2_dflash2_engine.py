@@ -28,9 +28,9 @@ from ringkv.kernels.ring_geometry import ring_blocks_needed
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 VLLM_FIX = (
-    "build vLLM 0.34's env (README, 'vLLM 0.34.0 GPU wheel on CPU') and run VLLM_TARGET_DEVICE=cpu "
-    "TRITON_INTERPRET=1 PYTHONPATH=ci <venv>/bin/python -m pytest -p vllm_cpu_shims -m slow "
-    "tests/integration/test_vllm_v2_dflash2_engine.py"
+    "build vLLM 0.34's env and run these tests in it: .venv/bin/nox -s 'vllm(0.34.0)' (or, once built, "
+    "VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 PYTHONPATH=ci .nox/vllm-0-34-0/bin/python -m pytest "
+    "-p vllm_cpu_shims -m slow tests/integration/test_vllm_v2_dflash2_engine.py)"
 )
 # the vLLM (distribution, version) whose GPU wheel on CPU these runs were written and checked for
 ENGINE_VLLM = ("vllm", "0.34.0")
