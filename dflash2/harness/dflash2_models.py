@@ -16,7 +16,7 @@ acceptance.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,7 +24,7 @@ from ringkv.dflash2.config import SLIDING, DFlashConfig, parse_config
 from ringkv.dflash2.model import DFlash2Drafter
 from torch import nn
 
-from .engine_models import EngineModels, EngineModelSpec, build_target, train_drafter
+from .engine_models import EngineModels, EngineModelSpec, build_target, reuse_or_build, train_drafter
 
 ARCHITECTURE = "DFlash2DraftModel"
 
@@ -104,18 +104,16 @@ def build_dflash2_models(folder: str | Path, spec: DFlash2ModelSpec | None = Non
     """Build (or reuse, when ``folder`` holds the same spec) the chain target and the DFlash2 drafter."""
     spec = spec or DFlash2ModelSpec()
     folder = Path(folder)
-    stamp = folder / "dflash2_models.json"
-    if stamp.exists():
-        saved = json.loads(stamp.read_text())
-        if saved["spec"] == json.loads(json.dumps(asdict(spec))):
-            return EngineModels(folder / "target", folder / "drafter", spec.models, saved["train_accuracy"])
-    target = build_target(spec.models, folder / "target")
-    config, raw = drafter_config(spec)
-    torch.manual_seed(spec.models.seed)
-    drafter = DFlash2Drafter(config, target_hidden_size=spec.models.hidden_size)
-    identity_convolutions(drafter)
-    selector = CandidateSelector(spec.models.hidden_size, spec.models.vocab_size, spec.selector_rank)
-    drafter, accuracy = train_drafter(spec.models, target, config, drafter, selector)
-    save_drafter(folder / "drafter", raw, drafter, selector)
-    stamp.write_text(json.dumps({"spec": asdict(spec), "train_accuracy": accuracy}))
-    return EngineModels(folder / "target", folder / "drafter", spec.models, accuracy)
+
+    def build() -> float:
+        target = build_target(spec.models, folder / "target")
+        config, raw = drafter_config(spec)
+        torch.manual_seed(spec.models.seed)
+        drafter = DFlash2Drafter(config, target_hidden_size=spec.models.hidden_size)
+        identity_convolutions(drafter)
+        selector = CandidateSelector(spec.models.hidden_size, spec.models.vocab_size, spec.selector_rank)
+        drafter, accuracy = train_drafter(spec.models, target, config, drafter, selector)
+        save_drafter(folder / "drafter", raw, drafter, selector)
+        return accuracy
+
+    return reuse_or_build(folder, "dflash2_models.json", spec, spec.models, build)

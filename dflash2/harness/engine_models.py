@@ -13,10 +13,10 @@ and only through its context K/V: a ring that serves the wrong K/V collapses its
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -192,18 +192,31 @@ def train_drafter(
     return drafter.eval(), accuracy
 
 
+def reuse_or_build(folder: Path, stamp_name: str, spec: Any, models: EngineModelSpec,
+                   build: Callable[[], float]) -> EngineModels:  # fmt: skip
+    """The checkpoints in ``folder/target`` and ``folder/drafter``: reused when the stamp ``folder/stamp_name``
+    holds the same ``spec`` (a dataclass), else written by ``build`` (which returns the drafter's training
+    accuracy) and stamped."""
+    stamp = folder / stamp_name
+    if stamp.exists():
+        saved = json.loads(stamp.read_text())
+        if saved["spec"] == json.loads(json.dumps(asdict(spec))):
+            return EngineModels(folder / "target", folder / "drafter", models, saved["train_accuracy"])
+    accuracy = build()
+    stamp.write_text(json.dumps({"spec": asdict(spec), "train_accuracy": accuracy}))
+    return EngineModels(folder / "target", folder / "drafter", models, accuracy)
+
+
 def build_engine_models(folder: str | Path, spec: EngineModelSpec | None = None) -> EngineModels:
     """Build (or reuse, when ``folder`` holds the same spec) the target and drafter checkpoints."""
     spec = spec or EngineModelSpec()
     folder = Path(folder)
-    stamp = folder / "engine_models.json"
-    if stamp.exists():
-        saved = json.loads(stamp.read_text())
-        if saved["spec"] == json.loads(json.dumps(asdict(spec))):
-            return EngineModels(folder / "target", folder / "drafter", spec, saved["train_accuracy"])
-    target = build_target(spec, folder / "target")
-    drafter, accuracy = train_drafter(spec, target, drafter_config(spec))
-    # no embeddings or head in the checkpoint: vLLM's DFlash drafter shares the target's
-    drafter.save_pretrained(folder / "drafter")
-    stamp.write_text(json.dumps({"spec": asdict(spec), "train_accuracy": accuracy}))
-    return EngineModels(folder / "target", folder / "drafter", spec, accuracy)
+
+    def build() -> float:
+        target = build_target(spec, folder / "target")
+        drafter, accuracy = train_drafter(spec, target, drafter_config(spec))
+        # no embeddings or head in the checkpoint: vLLM's DFlash drafter shares the target's
+        drafter.save_pretrained(folder / "drafter")
+        return accuracy
+
+    return reuse_or_build(folder, "engine_models.json", spec, spec, build)
