@@ -127,12 +127,24 @@ def probe(version: Version) -> tuple[str | None, str]:
     return None, vllm
 
 
+def cell_text(line: str) -> str:
+    """``line`` as it can stand in a backticked table cell: at most 300 characters, no backtick, pipes escaped."""
+    return line[:300].replace("`", "'").replace("|", "\\|")
+
+
 def last_error_line(text: str) -> str:
     """The exception line of a traceback (pytest's ``E   `` lines first)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     marked = [line[1:].strip() for line in lines if line.startswith("E ") and "Error" in line]
     errors = [line for line in lines if "Error" in line or "Exception" in line]
-    return (marked or errors or lines or ["(no output)"])[-1][:300]
+    return cell_text((marked or errors or lines or ["(no output)"])[-1])
+
+
+def failure_line(problem: ET.Element) -> str:
+    """A failed test's error: the first line of pytest's message (the exception and its text), else the
+    traceback's exception line."""
+    message = (problem.get("message") or "").strip()
+    return cell_text(message.splitlines()[0]) if message else last_error_line(problem.text or "")
 
 
 def run_group(version: Version, group: Group) -> str:
@@ -162,7 +174,7 @@ def run_group(version: Version, group: Group) -> str:
         elif problem.get("message") == "collection failure":
             broken.append((case.get("name"), last_error_line(problem.text or "")))
         else:
-            failed.append((case.get("name"), last_error_line((problem.text or "") + (problem.get("message") or ""))))
+            failed.append((case.get("name"), failure_line(problem)))
     if broken:
         return "could not import: " + "; ".join(f"{name}: `{error}`" for name, error in broken)
     total = passed + len(failed)

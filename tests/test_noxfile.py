@@ -131,3 +131,12 @@ def test_a_group_whose_file_is_missing_says_so(ci):
     group = ci.compat.Group(("tests/integration/test_not_written_yet.py",))
     cell = ci.compat.run_group(ci.compat.Version("vllm 0.34.0"), group)
     assert cell == "not run: tests/integration/test_not_written_yet.py is not in this checkout"
+
+
+def test_a_failure_is_one_table_safe_line(ci):
+    """The first line of pytest's message, without a backtick or a bare pipe to break README's table."""
+    problem = ci.compat.ET.Element("failure", message="AssertionError: got `x | y`\nassert 1 == 2\n  + where 1 = f()")
+    problem.text = "def test():\n>   assert f() == 2\nE   AssertionError: got `x | y`\nE   assert 1 == 2"
+    assert ci.compat.failure_line(problem) == "AssertionError: got 'x \\| y'"
+    del problem.attrib["message"]
+    assert ci.compat.failure_line(problem) == "AssertionError: got 'x \\| y'"
