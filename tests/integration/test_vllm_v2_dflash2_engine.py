@@ -28,6 +28,8 @@ from ringkv.integration.e2e.runner import EngineRun, drafter_layer_names, held_b
 from ringkv.integration.e2e.worker import EngineRunSpec
 from ringkv.kernels.ring_geometry import ring_blocks_needed
 
+from tests.integration.prefix_cache_checks import assert_hits_capped, assert_shared_prefixes_hit
+
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 VLLM_FIX = (
@@ -53,8 +55,6 @@ WRAP_CHUNK = 64  # max_num_batched_tokens: the long prompt's prefill in chunks
 # adds TAIL tokens to the first turn's prompt and reply. TAIL < BLOCK: vLLM's DFlash lookup drops the last matched
 # block (as for EAGLE), so with more new tokens the shared content, not the ring's cap, would bound the hit
 SHARED, FIRST_TURN, TAIL = 6 * WINDOW + 20, 150, 8
-# the most a capped hit may leave to recompute: the window, vLLM's alignment down to its block, the dropped block
-RECOMPUTE_BOUND = WINDOW + 2 * BLOCK
 
 
 def chain_map(models) -> list[int]:
@@ -67,9 +67,12 @@ def chain_map(models) -> list[int]:
         return target(torch.arange(SHAPE.vocab_size)[:, None]).logits[:, -1].argmax(-1).tolist()
 
 
+def random_tokens(generator: random.Random, n: int) -> list[int]:
+    return [generator.randrange(FIRST_TOKEN, SHAPE.vocab_size - 1) for _ in range(n)]
+
+
 def prompt(chain: list[int], length: int, tail: int, seed: int) -> list[int]:
-    generator = random.Random(seed)
-    tokens = [generator.randrange(FIRST_TOKEN, SHAPE.vocab_size - 1) for _ in range(length - tail + 1)]
+    tokens = random_tokens(random.Random(seed), length - tail + 1)
     for _ in range(tail - 1):
         tokens.append(chain[tokens[-1]])
     return tokens
@@ -146,13 +149,10 @@ def sharing(v2_dflash2, models_dir, sliding):
     chain, _, _ = sliding
     models = build_dflash2_models(models_dir / "sliding", SLIDING_DRAFTER)
     generator = random.Random(11)
-
-    def random_tokens(n: int) -> list[int]:
-        return [generator.randrange(FIRST_TOKEN, SHAPE.vocab_size - 1) for _ in range(n)]
-
-    shared = random_tokens(SHARED)
+    shared = random_tokens(generator, SHARED)
     first_turn = prompt(chain, FIRST_TURN, 100, seed=13)
-    waves = [[shared + random_tokens(TAIL), first_turn], [shared + random_tokens(TAIL), random_tokens(TAIL)]]
+    tails = [random_tokens(generator, TAIL) for _ in range(3)]
+    waves = [[shared + tails[0], first_turn], [shared + tails[1], tails[2]]]
     return {
         backend: engine_run(models, backend, waves[0], MAX_TOKENS, later_waves=waves[1:], continued_slots=[1],
                             enable_prefix_caching=True)
@@ -257,13 +257,10 @@ def test_ring_hits_stop_where_the_targets_recompute_rebuilds_the_drafter_window(
     prompts, replies = ring.prompts, ring.tokens
     shared = {2: SHARED, 3: len(prompts[1]) + len(replies[1])}
     assert prompts[3][: shared[3]] == prompts[1] + replies[1] and prompts[2][:SHARED] == prompts[0][:SHARED]
-    hits = {request_index(a.request_id): a.hit for a in ring.admissions}
-    assert hits[0] == hits[1] == 0 and len(ring.admissions) == len(prompts), "no preemption"
-    for index, length in shared.items():
-        assert length - RECOMPUTE_BOUND <= hits[index], (index, hits[index], length)
-    for a in ring.admissions:
-        assert a.hit % BLOCK == 0 and a.hit <= a.num_tokens - (WINDOW - 1), a
-    assert ring.prefix_cache == {"hits": sum(hits.values()), "queries": sum(len(p) for p in prompts)}
+    assert len(ring.admissions) == len(prompts), "no preemption"
+    hits = assert_shared_prefixes_hit(ring, shared, WINDOW, BLOCK)
+    assert hits[0] == hits[1] == 0
+    assert_hits_capped(ring.admissions, WINDOW, BLOCK)
     stock_hits = {request_index(a.request_id): a.hit for a in rows.admissions}
     assert all(hits[i] <= stock_hits[i] for i in shared), (hits, stock_hits)
     print(f"hits ring {hits}, stock rows {stock_hits}")  # noqa: T201 -- the measured figure (-rP)
