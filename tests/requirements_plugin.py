@@ -50,11 +50,12 @@ def check_interpreter() -> str | None:
 
 
 def check_compile() -> str | None:
-    """The tools ``bench/compile_report.py`` runs: Triton's ptxas for sm_90 and sm_100 (``get_ptxas``, which
-    honours ``TRITON_PTXAS_PATH`` / ``TRITON_PTXAS_BLACKWELL_PATH``), and the bundled cuobjdump and nvdisasm."""
-    if problem := _imports("triton.backends.nvidia.compiler", "ringkv.bench.compile_report"):
+    """The tools ``bench/compile_report.py`` runs (``bench/native_compile.py``): Triton's ptxas for sm_90 and
+    sm_100 (``get_ptxas``, which honours ``TRITON_PTXAS_PATH`` / ``TRITON_PTXAS_BLACKWELL_PATH``), and the bundled
+    cuobjdump and nvdisasm."""
+    if problem := _imports("triton.backends.nvidia.compiler", "ringkv.bench.native_compile"):
         return problem
-    from ringkv.bench.compile_report import _tool
+    from ringkv.bench.native_compile import _tool
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.knobs import NvidiaTool
 
