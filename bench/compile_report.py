@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import importlib
 import inspect
 import json
 import os
@@ -241,26 +240,23 @@ class NativeLaunches:
 def cpu_stand_ins(num_sms: int = 132) -> Iterator[None]:
     """Let the launchers take CPU tensors as if they were on an H200 (132 SMs): the device check passes and the
     split-KV choice sees the GPU's SM count. Everything else (validation, configs, grids) runs unchanged."""
-    modules = {name: importlib.import_module(f"ringkv.kernels.{name}") for name in
-               ("attention_inputs", "ring_write", "ring_attention")}  # fmt: skip
+    from ringkv.kernels import attention, validation, write
 
     def same_device(named: dict) -> Any:
         return next(iter(named.values())).device
 
     with (
-        mock.patch.object(modules["attention_inputs"], "check_same_device", same_device),
-        mock.patch.object(modules["ring_write"], "check_same_device", same_device),
-        mock.patch.object(modules["ring_attention"], "device_sms", lambda device: num_sms),
+        mock.patch.object(validation, "check_same_device", same_device),
+        mock.patch.object(write, "check_same_device", same_device),
+        mock.patch.object(attention, "device_sms", lambda device: num_sms),
     ):
         yield
 
 
 def ringkv_kernels() -> list[Any]:
-    return [
-        importlib.import_module("ringkv.kernels.ring_attention")._ring_attention_kernel,
-        importlib.import_module("ringkv.kernels.ring_attention")._combine_splits_kernel,
-        importlib.import_module("ringkv.kernels.ring_write")._ring_write_kernel,
-    ]
+    from ringkv.kernels import attention, write
+
+    return [attention._ring_attention_kernel, attention._combine_splits_kernel, write._ring_write_kernel]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -340,7 +336,7 @@ def _batch(query_len: int, seq_len: int, num_reqs: int, ring: int, mode: Any, la
 
 def _scratch(layout: str) -> dict[str, Any]:
     """The plugin's split scratch: views of a ``SplitWorkspace`` (its metadata builder holds one)."""
-    from ringkv.kernels.ring_attention import SplitWorkspace
+    from ringkv.kernels.attention import SplitWorkspace
 
     return {"workspace": SplitWorkspace()} if layout == "plugin" else {}
 

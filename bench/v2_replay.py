@@ -31,8 +31,8 @@ import torch
 import triton
 from ringkv.integration.vllm.backend_step import split_kv_cache, store_rows, vllm_batch
 from ringkv.kernels import ring_attention
+from ringkv.kernels.attention import SplitWorkspace
 from ringkv.kernels.oracle import oracle_pair
-from ringkv.kernels.ring_attention import SplitWorkspace
 from ringkv.kernels.ring_geometry import (
     PAD_SLOT,
     UNBOUNDED_WINDOW,

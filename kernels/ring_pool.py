@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .attention_inputs import KV_STRIDE_ELEMENTS
 from .ring_geometry import RingPlan
-from .ring_write import ring_write
+from .validation import KV_STRIDE_ELEMENTS
 from .varlen import BatchMode, VarlenBatch
+from .write import ring_write
 
 
 def aligned_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -24,11 +24,11 @@ import pytest
 import torch
 import triton
 from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, ring_write
-from ringkv.kernels.attention_inputs import KV_STRIDE_ELEMENTS
 from ringkv.kernels.configs import MAX_SPLITS
 from ringkv.kernels.kv_quant import dequantize, quantize_fp8
 from ringkv.kernels.ring_geometry import PAD_SLOT, UNBOUNDED_WINDOW
 from ringkv.kernels.tolerance import attention_error
+from ringkv.kernels.validation import KV_STRIDE_ELEMENTS
 from ringkv.kernels.varlen import MAX_QUERY_LEN, MAX_SEQ_LEN
 
 from tests.testing import NAN, assert_attention_close, oracle_pair, stable_seed
