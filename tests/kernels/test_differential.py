@@ -27,7 +27,7 @@ from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, rin
 from ringkv.kernels.configs import MAX_SPLITS
 from ringkv.kernels.kv_quant import dequantize, quantize_fp8
 from ringkv.kernels.ring_geometry import PAD_SLOT, UNBOUNDED_WINDOW
-from ringkv.kernels.tolerance import attention_error
+from ringkv.kernels.testing import attention_error
 from ringkv.kernels.validation import KV_STRIDE_ELEMENTS
 from ringkv.kernels.varlen import MAX_QUERY_LEN, MAX_SEQ_LEN
 

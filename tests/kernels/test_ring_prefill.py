@@ -8,7 +8,7 @@ import pytest
 import torch
 from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, attention, ring_attention
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW
-from ringkv.kernels.ring_pool import RingPool
+from ringkv.kernels.testing import RingPool
 
 from tests.testing import (
     assert_attention_close,
