@@ -4,12 +4,11 @@ references."""
 
 from .attention import ring_attention
 from .reference import ring_attention_reference, ring_write_reference
-from .ring_geometry import PAD_SLOT, RingPlan, ring_blocks_needed
+from .ring_geometry import RingPlan, ring_blocks_needed
 from .varlen import BatchMode, VarlenBatch
 from .write import ring_write
 
 __all__ = [
-    "PAD_SLOT",
     "BatchMode",
     "RingPlan",
     "VarlenBatch",
