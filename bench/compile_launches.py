@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,14 +42,15 @@ class KernelLookups:
 
 def kernel_lookups() -> KernelLookups:
     """Every lookup of a kernel module or function (imported on first use: the CLI starts without torch)."""
-    attention, write, validation = (importlib.import_module(f"ringkv.kernels.{name}")
-                                    for name in ("ring_attention", "ring_write", "attention_inputs"))  # fmt: skip
+    import ringkv.kernels as package
+    from ringkv.kernels import _tiles, attention, kv_quant, validation, write
+
     return KernelLookups(
         attention=attention, write=write, validation=validation,
         kernels=[attention._ring_attention_kernel, attention._combine_splits_kernel, write._ring_write_kernel],
-        load_kv_tile=importlib.import_module("ringkv.kernels._tiles").load_kv_tile,
-        fp8_dtype_of=importlib.import_module("ringkv.kernels.kv_quant").fp8_dtype_of,
-        package=importlib.import_module("ringkv.kernels"),
+        load_kv_tile=_tiles.load_kv_tile,
+        fp8_dtype_of=kv_quant.fp8_dtype_of,
+        package=package,
     )  # fmt: skip
 
 

@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ringkv.kernels.shapes import ISSUE_55800, DrafterShape
+from ringkv.kernels.testing import ISSUE_55800, DrafterShape
 
 from .records import REPO, environment
 from .v2_replay import v2_replay_rows
@@ -55,7 +55,7 @@ def build_batch(shape: DrafterShape, num_reqs: int, block: int, context_len: int
     import torch
     from ringkv.kernels import BatchMode, RingPlan
     from ringkv.kernels.kv_quant import dequantize, fp8_dtype_of, quantize_fp8
-    from ringkv.kernels.ring_pool import RingPool
+    from ringkv.kernels.testing import RingPool
 
     plan = RingPlan(shape.window, shape.kv_block_size, lookahead=max(block, 8))
     # generated where it is used: a 256-request batch is gigabytes
@@ -199,7 +199,7 @@ def gate(out, dense, context_len: int, window: int) -> dict:
     tests' ``oracle_pair`` (fp64, and the batch's own dtype)."""
     import torch
     from ringkv.kernels.oracle import oracle_pair
-    from ringkv.kernels.tolerance import attention_error
+    from ringkv.kernels.testing import attention_error
 
     q, k, v = dense
     num_reqs, block = q.shape[0], q.shape[2]
@@ -278,7 +278,7 @@ def timing_rows(shape_names: list[str], device, smoke: bool, budget_s: float, un
     import triton
     from ringkv.kernels import ring_attention
     from ringkv.kernels.kv_quant import fp8_dtype_of
-    from ringkv.kernels.tolerance import attention_error
+    from ringkv.kernels.testing import attention_error
 
     dtype = torch.bfloat16
     rows = []
@@ -358,8 +358,7 @@ def prefill_rows(device, smoke: bool, budget_s: float) -> list[dict]:
     from ringkv.kernels import BatchMode, RingPlan, ring_attention
     from ringkv.kernels.oracle import oracle_pair
     from ringkv.kernels.ring_geometry import visible
-    from ringkv.kernels.ring_pool import RingPool
-    from ringkv.kernels.tolerance import attention_error
+    from ringkv.kernels.testing import RingPool, attention_error
 
     shape = SMOKE_SHAPE if smoke else ISSUE_55800
     window, dtype = shape.window, torch.bfloat16

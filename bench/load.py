@@ -101,7 +101,7 @@ def longest_request(options: LoadOptions) -> int:
 
 def deployment(options: LoadOptions, pool_blocks: int, prefix_caching: bool) -> Deployment:
     from ringkv.integration.simulation.admission import Deployment
-    from ringkv.kernels.shapes import ISSUE_55800
+    from ringkv.kernels.testing import ISSUE_55800
 
     drafter = replace(ISSUE_55800, window=options.window, kv_block_size=options.drafter_kv_block_size,
                       num_speculative_tokens=options.num_speculative_tokens)  # fmt: skip

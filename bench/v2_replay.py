@@ -18,7 +18,7 @@ The GPU machine has torch and triton but no vLLM, so this drives the kernel call
   gather's columns below ``(num_computed_tokens - (W - 1)) // bs`` nulled to block 0.
 
 Each step's replay is compared bitwise with an eager launch on the same inputs and ring, with the fp64 dense
-oracle (``kernels/tolerance.py``'s rule), and the ring must differ from its state before the step only at the
+oracle (``kernels/testing.py``'s rule), and the ring must differ from its state before the step only at the
 slots of this step's accepted context rows, which hold those rows. ``smoke``: the same steps eagerly on CPU.
 """
 
@@ -31,8 +31,8 @@ import torch
 import triton
 from ringkv.integration.vllm.backend_step import split_kv_cache, store_rows, vllm_batch
 from ringkv.kernels import ring_attention
+from ringkv.kernels.attention import SplitWorkspace
 from ringkv.kernels.oracle import oracle_pair
-from ringkv.kernels.ring_attention import SplitWorkspace
 from ringkv.kernels.ring_geometry import (
     PAD_SLOT,
     UNBOUNDED_WINDOW,
@@ -40,8 +40,7 @@ from ringkv.kernels.ring_geometry import (
     ring_block,
     table_slot_mapping,
 )
-from ringkv.kernels.shapes import DrafterShape
-from ringkv.kernels.tolerance import attention_error
+from ringkv.kernels.testing import DrafterShape, attention_error
 
 # (graph request counts, steps per graph, max_model_len, first-chunk rows): GPU, and the CPU smoke
 GPU_SIZES = ((1, 8, 32), 4, 262_144, 3000)

@@ -145,7 +145,7 @@ def demo(
 ) -> None:
     """Kernel smoke: the DFlash2 ring plan, and one drafter attention step checked against the reference."""
     from ringkv.kernels.ring_geometry import MAX_POSITION
-    from ringkv.kernels.shapes import ISSUE_55800 as shape
+    from ringkv.kernels.testing import ISSUE_55800 as shape
 
     from .kernel_demo import attention_step, plan_rows
 
@@ -213,7 +213,7 @@ def admission(
     # vLLM's INFO lines would bury the table; VLLM_LOGGING_LEVEL=INFO brings them back
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from rich.progress import Progress
-    from ringkv.kernels.shapes import ISSUE_55800
+    from ringkv.kernels.testing import ISSUE_55800
 
     from .plots import plot_drafter_blocks
     from .simulation.admission import Deployment

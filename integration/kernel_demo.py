@@ -9,9 +9,7 @@ from dataclasses import dataclass
 
 import torch
 from ringkv.kernels import BatchMode, ring_attention, ring_attention_reference
-from ringkv.kernels.ring_pool import RingPool
-from ringkv.kernels.shapes import DrafterShape
-from ringkv.kernels.tolerance import ErrorReport, attention_error
+from ringkv.kernels.testing import DrafterShape, ErrorReport, RingPool, attention_error
 
 GIB = 1024**3
 MIB = 1024**2

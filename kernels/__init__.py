@@ -2,14 +2,13 @@
 """ringkv kernels: ring geometry, the Triton ring write and ring attention (draft blocks and prefill chunks), and their
 references."""
 
+from .attention import ring_attention
 from .reference import ring_attention_reference, ring_write_reference
-from .ring_attention import ring_attention
-from .ring_geometry import PAD_SLOT, RingPlan, ring_blocks_needed
-from .ring_write import ring_write
+from .ring_geometry import RingPlan, ring_blocks_needed
 from .varlen import BatchMode, VarlenBatch
+from .write import ring_write
 
 __all__ = [
-    "PAD_SLOT",
     "BatchMode",
     "RingPlan",
     "VarlenBatch",

@@ -13,8 +13,7 @@ from ringkv.kernels.kv_quant import dequantize, quantize_fp8
 from ringkv.kernels.oracle import oracle_pair
 from ringkv.kernels.reference import ring_attention_reference, ring_write_reference
 from ringkv.kernels.ring_geometry import RingPlan, first_visible_position
-from ringkv.kernels.ring_pool import RingPool, aligned_cache
-from ringkv.kernels.tolerance import attention_error
+from ringkv.kernels.testing import RingPool, aligned_cache, attention_error
 from ringkv.kernels.varlen import BatchMode, VarlenBatch
 
 NAN = float("nan")
@@ -214,7 +213,7 @@ def describe_index(case: RingCase | None, token: int) -> str:
 def assert_attention_close(
     out: torch.Tensor, ref_hi: torch.Tensor, ref_lo: torch.Tensor, *, name: str, case: RingCase | None = None
 ) -> None:
-    """The tolerance rule of ``ringkv.kernels.tolerance``, with NaN/inf counted apart and a readable failure."""
+    """The tolerance rule of ``ringkv.kernels.testing``, with NaN/inf counted apart and a readable failure."""
     for label, bad in (
         ("NaN", torch.isnan),
         ("+inf", lambda t: t == float("inf")),

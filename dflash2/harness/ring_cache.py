@@ -15,7 +15,7 @@ from ringkv.kernels import BatchMode, ring_attention, ring_attention_reference, 
 from ringkv.kernels.kv_quant import fp8_dtype_of
 from ringkv.kernels.oracle import dense_history_attention
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, RingPlan
-from ringkv.kernels.ring_pool import RingPool
+from ringkv.kernels.testing import RingPool
 
 
 class DraftKVCache:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from ringkv.dflash2.model import DFlash2Drafter
 from ringkv.kernels.kv_quant import fp8_dtype_of
-from ringkv.kernels.tolerance import ErrorReport, attention_error
+from ringkv.kernels.testing import ErrorReport, attention_error
 
 from .ring_cache import DraftKVCache
 from .tiny import random_drafter, tiny_config

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from ringkv.integration.vllm import register
 from ringkv.integration.vllm.kv_cache import RingSWASpec
-from ringkv.kernels.shapes import ISSUE_55800, DrafterShape
+from ringkv.kernels.testing import ISSUE_55800, DrafterShape
 
 from ._vllm import (
     FullAttentionSpec,

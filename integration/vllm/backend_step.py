@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 from ringkv.kernels.ring_geometry import last_writer_slots
-from ringkv.kernels.ring_write import ring_write
 from ringkv.kernels.varlen import MAX_QUERY_LEN, BatchMode, VarlenBatch
+from ringkv.kernels.write import ring_write
 
 
 def split_kv_cache(

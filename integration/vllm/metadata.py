@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from ringkv.kernels.ring_attention import SplitWorkspace
+from ringkv.kernels.attention import SplitWorkspace
 from ringkv.kernels.varlen import VarlenBatch
 
 from ._compat import (

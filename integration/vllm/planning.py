@@ -16,7 +16,7 @@ import contextvars
 import functools
 from typing import Any
 
-from ringkv.kernels.attention_inputs import MAX_QUERY_LEN
+from ringkv.kernels.varlen import MAX_QUERY_LEN
 
 from ._compat import AttentionBackendEnum, VllmConfig, kv_spec_collectors, set_current_vllm_config
 from .selection import RING_NAMES

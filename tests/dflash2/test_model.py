@@ -11,7 +11,7 @@ from ringkv.dflash2.harness.smoke import run_smoke
 from ringkv.dflash2.harness.spec_decode import TargetModel, greedy_reference, speculative_generate
 from ringkv.dflash2.harness.tiny import random_drafter, tiny_config, tiny_target
 from ringkv.dflash2.model import DFlash2Drafter, GroupedBlockConv
-from ringkv.kernels.tolerance import attention_error
+from ringkv.kernels.testing import attention_error
 
 pytestmark = pytest.mark.interpreter
 

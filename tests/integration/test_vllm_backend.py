@@ -20,7 +20,7 @@ from ringkv.integration.vllm import register
 from ringkv.integration.vllm.backend import RingKVBackend
 from ringkv.integration.vllm.kv_cache import RingSWASpec, to_ring_spec
 from ringkv.integration.vllm.planning import RingConfigError, check_ring_config
-from ringkv.kernels.shapes import DrafterShape
+from ringkv.kernels.testing import DrafterShape
 
 from tests.testing import NAN, assert_attention_close
 

@@ -24,7 +24,7 @@ from ringkv.integration.e2e.runner import (
 )
 from ringkv.integration.e2e.worker import EngineRunSpec
 from ringkv.kernels.ring_geometry import ring_blocks_needed
-from ringkv.kernels.tolerance import FP32_ABS_BOUND
+from ringkv.kernels.testing import FP32_ABS_BOUND
 
 pytestmark = pytest.mark.vllm
 

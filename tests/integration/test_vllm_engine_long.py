@@ -34,7 +34,7 @@ def test_tensor_parallel_2_ranks_serve_the_drafter_on_the_ring(tmp_path):
     from ringkv.dflash2.harness.engine_models import EngineModelSpec, build_engine_models
     from ringkv.integration.e2e.runner import drafter_layer_names, held_blocks, max_output_difference, run_engine
     from ringkv.integration.e2e.worker import EngineRunSpec
-    from ringkv.kernels.tolerance import FP32_ABS_BOUND
+    from ringkv.kernels.testing import FP32_ABS_BOUND
 
     models = build_engine_models(tmp_path, EngineModelSpec())
     generator = random.Random(0)

@@ -12,7 +12,7 @@ import triton
 pytest.importorskip("vllm")
 
 from ringkv.integration.simulation.admission import Deployment, drafter_manager, make_request
-from ringkv.kernels.shapes import DrafterShape
+from ringkv.kernels.testing import DrafterShape
 
 pytestmark = pytest.mark.vllm
 

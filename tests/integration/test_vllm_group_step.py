@@ -6,7 +6,6 @@ a decode launch allocates nothing."""
 
 from __future__ import annotations
 
-import importlib
 from types import SimpleNamespace
 
 import pytest
@@ -17,15 +16,15 @@ pytest.importorskip("vllm")
 from ringkv.integration.vllm import backend_step
 from ringkv.integration.vllm.backend import RingKVBackend
 from ringkv.integration.vllm.backend_step import split_kv_cache
+from ringkv.kernels import attention
 from ringkv.kernels.ring_geometry import PAD_SLOT, last_writer_slots
-from ringkv.kernels.ring_write import ring_write
+from ringkv.kernels.write import ring_write
 
 from tests.allocations import AllocationCounter
 
 pytestmark = [pytest.mark.vllm, pytest.mark.interpreter]
 
 BS, LA, HEAD = 16, 8, 32
-ring_attention_module = importlib.import_module("ringkv.kernels.ring_attention")
 
 
 class Group:
@@ -136,8 +135,8 @@ def test_a_decode_step_allocates_only_the_groups_context_slots(num_reqs, num_kv_
     the group's one last-writer computation, the draft blocks' forwards nothing (split partials, LSEs included)."""
     torch.manual_seed(2)
     splits = []
-    split_count = ring_attention_module.split_count
-    monkeypatch.setattr(ring_attention_module, "split_count",
+    split_count = attention.split_count
+    monkeypatch.setattr(attention, "split_count",
                         lambda *a, **k: splits.append(split_count(*a, **k)) or splits[-1])  # fmt: skip
     group = Group(device, num_reqs=num_reqs, num_kv_heads=num_kv_heads, window=window)
     buffer = torch.arange(16, 16 + group.tokens, device=device)

@@ -36,7 +36,7 @@ from ringkv.integration.vllm._compat import CommonAttentionMetadata, dflash_spec
 from ringkv.integration.vllm.backend import RingKVBackend
 from ringkv.integration.vllm.kv_cache import RingSWASpec
 from ringkv.kernels.ring_geometry import PAD_SLOT
-from ringkv.kernels.shapes import DrafterShape
+from ringkv.kernels.testing import DrafterShape
 
 from tests.testing import NAN, assert_attention_close, oracle_pair
 

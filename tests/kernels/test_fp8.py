@@ -9,9 +9,9 @@ import pytest
 import torch
 import triton
 from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention, ring_write
-from ringkv.kernels.attention_inputs import KV_STRIDE_ELEMENTS
 from ringkv.kernels.kv_quant import FP8_KV_CACHE_DTYPES, dequantize, fp8_dtype_of, quantize_fp8
 from ringkv.kernels.ring_geometry import PAD_SLOT, UNBOUNDED_WINDOW
+from ringkv.kernels.validation import KV_STRIDE_ELEMENTS
 
 from tests.testing import (
     NAN,

@@ -14,7 +14,7 @@ from ringkv.kernels import (
 )
 from ringkv.kernels.kv_quant import quantize_fp8
 from ringkv.kernels.ring_geometry import PAD_SLOT, UNBOUNDED_WINDOW, first_visible_position
-from ringkv.kernels.ring_pool import RingPool
+from ringkv.kernels.testing import RingPool
 
 from tests.testing import (
     assert_attention_close,

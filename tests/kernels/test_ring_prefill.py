@@ -4,13 +4,11 @@ write-after-read (``write_ring``) through chunks that wrap the ring several time
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
-from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, ring_attention
+from ringkv.kernels import BatchMode, RingPlan, VarlenBatch, attention, ring_attention
 from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW
-from ringkv.kernels.ring_pool import RingPool
+from ringkv.kernels.testing import RingPool
 
 from tests.testing import (
     assert_attention_close,
@@ -110,7 +108,6 @@ def test_vllm_slot_mapping_drops_dead_rows_and_duplicates(device):
 def test_query_tiles_go_on_grid_x(monkeypatch, device):
     """Grid y and z stop at 65,535: a chunk of 2^21 queries (131,072 tiles of 16 queries at G 4) must put its
     query tiles on x. Checked on the grid the launcher computes, with the launch replaced by a recorder."""
-    module = importlib.import_module("ringkv.kernels.ring_attention")
     launches = []
 
     class Recorder:
@@ -118,18 +115,18 @@ def test_query_tiles_go_on_grid_x(monkeypatch, device):
             launches.append(grid)
             return lambda *args, **kwargs: None
 
-    monkeypatch.setattr(module, "_ring_attention_kernel", Recorder())
-    monkeypatch.setattr(module, "is_interpreter", lambda: False)  # the native tiles, not the interpreter's tall ones
+    monkeypatch.setattr(attention, "_ring_attention_kernel", Recorder())
+    monkeypatch.setattr(attention, "is_interpreter", lambda: False)  # the native tiles, not the interpreter's tall ones
     case = make_ring_case([(40, 8), (3, 5)], window=37, kv_block_size=8, num_q_heads=8, num_kv_heads=2, head_dim=16,
                           lookahead=1, mode=BatchMode.PREFILL_CHUNK).to(device)  # fmt: skip
     batch = VarlenBatch(**{**case.batch().__dict__, "max_query_len": 1 << 21, "max_seq_len": (1 << 21) + 40})
     ring_attention(**{**case.kernel_args(), "batch": batch})
-    config = module.select_prefill_config(group_size=4, head_dim=16, head_dim_v=16, kv_block_size=8)
-    assert launches == [((1 << 21) // config.BLOCK_Q, 2, 2)] and launches[0][0] > module.MAX_GRID_YZ
+    config = attention.select_prefill_config(group_size=4, head_dim=16, head_dim_v=16, kv_block_size=8)
+    assert launches == [((1 << 21) // config.BLOCK_Q, 2, 2)] and launches[0][0] > attention.MAX_GRID_YZ
     many = VarlenBatch(**{**batch.__dict__, "query_start_loc": torch.zeros(65_537, dtype=torch.int32),
                           "seq_lens": torch.ones(65_536, dtype=torch.int32),
                           "block_table": torch.zeros(65_536, 1, dtype=torch.int32), "table_period": None})  # fmt: skip
     with pytest.raises(ValueError, match="num_reqs=65536 exceed the grid's 65535"):
-        module.attention_grid(many, 2, config.BLOCK_Q, 1)
+        attention.attention_grid(many, 2, config.BLOCK_Q, 1)
     with pytest.raises(ValueError, match="num_kv_heads=65536 / num_reqs=2 exceed the grid's 65535"):
-        module.attention_grid(batch, 65_536, config.BLOCK_Q, 1)
+        attention.attention_grid(batch, 65_536, config.BLOCK_Q, 1)

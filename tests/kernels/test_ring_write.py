@@ -7,7 +7,7 @@ import pytest
 import torch
 import triton
 from ringkv.kernels import RingPlan, ring_write, ring_write_reference
-from ringkv.kernels.attention_inputs import KV_STRIDE_ELEMENTS
+from ringkv.kernels.validation import KV_STRIDE_ELEMENTS
 
 from tests.testing import NAN
 

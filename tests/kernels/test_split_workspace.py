@@ -4,20 +4,17 @@ instead of allocating them, with the output of a fresh allocation bit for bit.""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
+from ringkv.kernels import attention
+from ringkv.kernels.attention import SplitWorkspace, ring_attention, split_rows_bound
 from ringkv.kernels.configs import select_num_splits
-from ringkv.kernels.ring_attention import SplitWorkspace, ring_attention, split_rows_bound
 from ringkv.kernels.varlen import MAX_QUERY_LEN, BatchMode
 
 from tests.allocations import AllocationCounter
 from tests.testing import NAN, make_ring_case
 
 pytestmark = pytest.mark.interpreter
-# the module (``ringkv.kernels.ring_attention`` names the function)
-ring_attention_module = importlib.import_module("ringkv.kernels.ring_attention")
 
 
 def launch(args: dict, workspace: SplitWorkspace | None, **kwargs) -> torch.Tensor:
@@ -65,8 +62,8 @@ def test_a_draft_launch_through_a_workspace_allocates_nothing(hkv, requests, dev
     case = make_ring_case(requests, window=128, kv_block_size=16, num_q_heads=4 * hkv, num_kv_heads=hkv, head_dim=32,
                           seed=3).to(device)  # fmt: skip
     chosen = []
-    split_count = ring_attention_module.split_count
-    monkeypatch.setattr(ring_attention_module, "split_count", lambda *a, **k: chosen.append(split_count(*a, **k))
+    split_count = attention.split_count
+    monkeypatch.setattr(attention, "split_count", lambda *a, **k: chosen.append(split_count(*a, **k))
                         or chosen[-1])  # fmt: skip
     out = torch.empty(case.q.shape[0], case.q.shape[1], case.v_new.shape[2], device=device)
     args = case.kernel_args()

@@ -30,13 +30,6 @@ from ._tiles import (
     ring_tile_count,
 )
 from ._triton_utils import device_sms, is_interpreter
-from .attention_inputs import (
-    AttentionInputs,
-    RingCache,
-    check_same_device,
-    check_slot_mapping,
-    validate_attention_inputs,
-)
 from .configs import (
     MAX_SPLITS,
     AttentionConfig,
@@ -45,8 +38,15 @@ from .configs import (
     select_prefill_config,
 )
 from .ring_geometry import batch_live_slots
-from .ring_write import launch_ring_write
+from .validation import (
+    AttentionInputs,
+    RingCache,
+    check_same_device,
+    check_slot_mapping,
+    validate_attention_inputs,
+)
 from .varlen import MAX_QUERY_LEN, BatchMode, VarlenBatch
+from .write import launch_ring_write
 
 LOG2E = 1.4426950408889634
 

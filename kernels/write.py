@@ -10,7 +10,9 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import is_interpreter
-from .attention_inputs import (
+from .configs import select_write_config
+from .kv_quant import FP8_FORMATS, quantize_fp8_bits
+from .validation import (
     SUPPORTED_DTYPES,
     RingCache,
     check_inner_contiguous,
@@ -18,8 +20,6 @@ from .attention_inputs import (
     check_same_device,
     check_slot_mapping,
 )
-from .configs import select_write_config
-from .kv_quant import FP8_FORMATS, quantize_fp8_bits
 
 
 @triton.jit

@@ -14,7 +14,6 @@ from ._triton_utils import debug_checks_enabled, is_interpreter
 from .kv_quant import FP8_DTYPES, check_scale
 from .ring_geometry import UNBOUNDED_WINDOW, ring_blocks_needed
 from .varlen import INDEX_DTYPES, BatchMode, VarlenBatch
-from .varlen import MAX_QUERY_LEN as MAX_QUERY_LEN  # the draft-block limit, imported from here by integration
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256

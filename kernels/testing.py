@@ -1,12 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A NaN-poisoned pool of ring KV blocks: the setup the tests, the benchmarks, the demo and the drafter harness share.
+"""What the tests, the benchmarks, the CLI, the lab and the drafter harness share around the kernels, apart from
+them: the correctness gate, the named drafter shapes and a NaN-poisoned ring pool.
 
-``RingPool.allocate`` gives each of ``num_reqs`` requests a ring of ``R = plan.ring_blocks`` physical blocks (a compact
-row, ``table_period = R``) in one ``[num_blocks, bs, Hkv, D]`` K/V pool that is NaN everywhere (fp8: the NaN byte
-0x7F), so a read of any slot nothing wrote poisons the output. Block 0 is the null block and never in a ring. The
-caches are ``[..., :D]`` views of storage whose head dim is padded to ``KV_STRIDE_ELEMENTS`` (the kernels' 16-byte
-alignment, ``check_kv_alignment``); the pad is a NaN guard band. ``write`` stores rows through the plan's slot
-mapping (dead positions PAD) and ``batch`` builds the ``VarlenBatch`` of queries over the rings.
+Tolerance (flash-attention's hopper rule): ``max|out - ref_hi| <= 2 * max|ref_lo - ref_hi| + fwd_atol``, with
+``fwd_atol`` the rounding floor (``attention_error``).
+
+Shapes: the drafter shapes ringkv is built for, named once: vLLM #55800's DFlash2 drafter (``ISSUE_55800``, the
+default everywhere: the demo, the #55800 simulation, the GPU check) and the head shapes the benchmarks sweep beside
+it (``DrafterShape``).
+
+Pool: ``RingPool.allocate`` gives each of ``num_reqs`` requests a ring of ``R = plan.ring_blocks`` physical blocks (a
+compact row, ``table_period = R``) in one ``[num_blocks, bs, Hkv, D]`` K/V pool that is NaN everywhere (fp8: the NaN
+byte 0x7F), so a read of any slot nothing wrote poisons the output. Block 0 is the null block and never in a ring.
+The caches are ``[..., :D]`` views of storage whose head dim is padded to ``KV_STRIDE_ELEMENTS`` (the kernels'
+16-byte alignment, ``check_kv_alignment``); the pad is a NaN guard band. ``write`` stores rows through the plan's
+slot mapping (dead positions PAD) and ``batch`` builds the ``VarlenBatch`` of queries over the rings.
 """
 
 from __future__ import annotations
@@ -18,10 +26,79 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .attention_inputs import KV_STRIDE_ELEMENTS
 from .ring_geometry import RingPlan
-from .ring_write import ring_write
+from .validation import KV_STRIDE_ELEMENTS
 from .varlen import BatchMode, VarlenBatch
+from .write import ring_write
+
+FP32_ABS_BOUND = 1e-5
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    """How far a kernel output is from the high-precision reference, and what it may be."""
+
+    max_error: float
+    bound: float
+    worst_index: tuple[int, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.max_error <= self.bound
+
+
+def attention_error(out: torch.Tensor, ref_hi: torch.Tensor, ref_lo: torch.Tensor) -> ErrorReport:
+    """Compare ``out`` with ``ref_hi`` (fp64 reference) given ``ref_lo`` (a same-dtype PyTorch run).
+
+    ``fwd_atol = 2 * max|(ref_hi + 0.3) - 0.3 - ref_hi|`` in the output dtype; fp32 is held to 1e-5 instead.
+    NaN or inf in ``out`` where ``ref_hi`` is finite makes the error infinite.
+    """
+    ref_hi = ref_hi.to(out.device, out.dtype)
+    hi, got = ref_hi.double(), out.double()
+    lo = ref_lo.to(out.device, out.dtype).double()
+    fwd_atol = 2 * ((ref_hi + 0.3) - 0.3 - ref_hi).abs().max().double().item() if ref_hi.numel() else 0.0
+    bound = 2 * ((lo - hi).abs().max().item() if hi.numel() else 0.0) + fwd_atol
+    if out.dtype == torch.float32:
+        # no run below fp32 exists to set the relative bound (PyTorch's fp32 run is as precise as the kernel's,
+        # tiling reorders the same roundings): fp32 is held to the absolute bound
+        bound = FP32_ABS_BOUND
+    err = (got - hi).abs()
+    err = torch.where(
+        torch.isfinite(got) | ~torch.isfinite(hi), err.nan_to_num(0.0), torch.full_like(err, float("inf"))
+    )
+    if not err.numel():
+        return ErrorReport(0.0, bound, ())
+    worst = tuple(int(i) for i in (err == err.max()).nonzero()[0])
+    return ErrorReport(float(err.max()), bound, worst)
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    """A sliding-window drafter's attention geometry: window W, KV block bs, N speculative tokens, heads."""
+
+    window: int = 2048
+    kv_block_size: int = 16
+    num_speculative_tokens: int = 7
+    num_q_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+
+    @property
+    def lookahead(self) -> int:
+        """vLLM's ``num_lookahead_tokens`` for DFlash: ``N + 1`` (the draft block)."""
+        return self.num_speculative_tokens + 1
+
+    @property
+    def plan(self) -> RingPlan:
+        return RingPlan.for_dflash(self.window, self.kv_block_size, self.num_speculative_tokens)
+
+    def token_bytes(self, element_bytes: int = 2) -> int:
+        """K and V bytes of one position in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * element_bytes
+
+
+# vLLM #55800: GLM-5.3-class target, DFlash2 drafter with W 2048, KV block 16, 7 speculative tokens, 32/8 x 128
+ISSUE_55800 = DrafterShape()
 
 
 def aligned_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
