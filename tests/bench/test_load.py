@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from ringkv.bench.cli import app
+from ringkv.bench.lab.simulation.load import distinct_prefixes
 from ringkv.bench.load import LoadOptions, workload
-from ringkv.integration.simulation.load import distinct_prefixes
 from typer.testing import CliRunner
 
 pytestmark = pytest.mark.vllm

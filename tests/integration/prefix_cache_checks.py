@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ringkv.integration.e2e.probe import Admission
-from ringkv.integration.e2e.runner import EngineRun, request_index
+from ringkv.bench.lab.e2e.probe import Admission
+from ringkv.bench.lab.e2e.runner import EngineRun, request_index
 
 
 def recompute_bound(window: int, block: int) -> int:

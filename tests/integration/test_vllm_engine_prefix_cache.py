@@ -25,8 +25,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from ringkv.dflash2.harness.engine_models import EngineModelSpec
-from ringkv.integration.e2e.runner import (
+from ringkv.bench.lab.e2e.runner import (
     EngineRun,
     drafter_layer_names,
     held_blocks,
@@ -34,7 +33,8 @@ from ringkv.integration.e2e.runner import (
     request_index,
     run_engine,
 )
-from ringkv.integration.e2e.worker import EngineRunSpec
+from ringkv.bench.lab.e2e.worker import EngineRunSpec
+from ringkv.dflash2.harness.engine_models import EngineModelSpec
 from ringkv.kernels.ring_geometry import ring_blocks_needed
 from ringkv.kernels.testing import FP32_ABS_BOUND
 

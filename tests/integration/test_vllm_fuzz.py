@@ -11,7 +11,7 @@ import triton
 
 pytest.importorskip("vllm")
 
-from ringkv.integration.simulation.admission import Deployment, drafter_manager, make_request
+from ringkv.bench.lab.simulation.admission import Deployment, drafter_manager, make_request
 from ringkv.kernels.testing import DrafterShape
 
 pytestmark = pytest.mark.vllm

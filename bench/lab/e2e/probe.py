@@ -172,7 +172,7 @@ def _scheduler_probes() -> None:
                 _record.steps.append(SchedulerStep(held))
             if _config.progress:
                 computed = sum(r.num_computed_tokens for r in self.running)
-                print(f"PROGRESS {computed}", flush=True)  # noqa: T201 -- read by the runner
+                print(f"PROGRESS {computed}", flush=True)  # read by the runner
             return output
 
         return wrapped

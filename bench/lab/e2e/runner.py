@@ -107,7 +107,7 @@ def run_engine(
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_") and k != PROBE_ENV}
         start = time.perf_counter()
         process = subprocess.Popen(
-            [sys.executable, "-m", "ringkv.integration.e2e.worker", str(spec_file)],
+            [sys.executable, "-m", "ringkv.bench.lab.e2e.worker", str(spec_file)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         )  # fmt: skip
         lines, result = [], None

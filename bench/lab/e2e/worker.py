@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One engine run in its own process: ``python -m ringkv.integration.e2e.worker SPEC.json`` (an ``EngineRunSpec``).
+"""One engine run in its own process: ``python -m ringkv.bench.lab.e2e.worker SPEC.json`` (an ``EngineRunSpec``).
 
 vLLM keeps process-wide state (its platform, backend cache, distributed groups), so every configuration gets a
 fresh process. With a probe config the worker declares the probe's plugin for its run (``probe_on_path``) before
