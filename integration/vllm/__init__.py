@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 
-BACKEND_PATH = "ringkv.integration.vllm.backend.RingKVBackend"
+from .names import BACKEND_PATH
+
 _registered = False
 
 

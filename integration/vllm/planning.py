@@ -19,15 +19,11 @@ from typing import Any
 from ringkv.kernels.attention_inputs import MAX_QUERY_LEN
 
 from ._compat import AttentionBackendEnum, VllmConfig, kv_spec_collectors, set_current_vllm_config
-from .selection import RING_NAMES
+from .errors import RingConfigError
+from .names import RING_NAMES, UNPLANNED
 
-UNPLANNED = 0
 # True while a worker collects its layers' specs for the scheduler, in the worker's own (the target's) config
 _collecting_worker_specs: contextvars.ContextVar[bool] = contextvars.ContextVar("ringkv_worker_specs", default=False)
-
-
-class RingConfigError(ValueError):
-    """A vLLM configuration the ring cannot serve correctly; the message names the fix."""
 
 
 def lookahead_from_config(vllm_config: VllmConfig | None) -> int:

@@ -18,15 +18,12 @@ from typing import Any
 from ringkv.kernels._triton_utils import is_interpreter
 
 from ._compat import AttentionBackendEnum, cpu_platform_class, engine_args_class, init_logger
+from .capabilities import RingKVCapabilities
+from .errors import RingSelectionError
+from .names import RING_NAMES
 
 # under vLLM's logger, which vLLM configures (a plain ``ringkv.*`` logger prints nothing in a served process)
 logger = init_logger(f"vllm.{__name__}")
-
-RING_NAMES = ("RINGKV", "CUSTOM")
-
-
-class RingSelectionError(ValueError):
-    """The ring backend was selected where it cannot run; the message names the fix."""
 
 
 def apply_drafter_backend(engine_args: Any) -> None:
@@ -95,9 +92,7 @@ def route_ring_selection_on_cpu(backend_path: str) -> None:
         cls: Any, selected_backend: Any, attn_selector_config: Any, num_heads: int | None = None
     ) -> str:
         if selects_ring(selected_backend, backend_path):
-            from .backend import RingKVBackend
-
-            validate_ring_selection(RingKVBackend, attn_selector_config)
+            validate_ring_selection(RingKVCapabilities, attn_selector_config)
             logger.info_once("ringkv: using the RINGKV backend (%s) on CPU", selected_backend.name)
             return backend_path
         return original(selected_backend, attn_selector_config, num_heads)
