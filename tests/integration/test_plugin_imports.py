@@ -87,14 +87,15 @@ def test_selection_does_not_import_the_backend():
 @pytest.mark.parametrize(
     ("source", "imports"),
     [
-        ("from .backend import RingKVBackend", {"backend"}),
-        ("from . import backend, names", {"backend", "names"}),
-        ("def f():\n    from .backend import RingKVBackend", {"backend"}),
-        ("import ringkv.integration.vllm.backend", {"backend"}),
-        ("from ringkv.integration.vllm.backend import RingKVBackend", {"backend"}),
-        ("from ringkv.integration.vllm import backend", {"backend"}),
-        ("from ringkv.integration.vllm import register", {"__init__"}),
-        ("from ..simulation import admission\nfrom ringkv.kernels import ring_geometry\nimport os", set()),
+        pytest.param("from .backend import RingKVBackend", {"backend"}, id="relative"),
+        pytest.param("from . import backend, names", {"backend", "names"}, id="relative-modules"),
+        pytest.param("def f():\n    from .backend import RingKVBackend", {"backend"}, id="function-level"),
+        pytest.param("import ringkv.integration.vllm.backend", {"backend"}, id="absolute-import"),
+        pytest.param("from ringkv.integration.vllm.backend import RingKVBackend", {"backend"}, id="absolute-from"),
+        pytest.param("from ringkv.integration.vllm import backend", {"backend"}, id="absolute-module"),
+        pytest.param("from ringkv.integration.vllm import register", {"__init__"}, id="package-name"),
+        pytest.param("from ..simulation import admission\nfrom ringkv.kernels import ring_geometry\nimport os", set(),
+                     id="outside-the-plugin"),
     ],
 )  # fmt: skip
 def test_every_import_form_is_seen(tmp_path, source, imports):
