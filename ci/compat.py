@@ -94,7 +94,7 @@ GROUPS = {
         "tests/integration/test_vllm_kv_cache.py", "tests/integration/test_vllm_scheduler.py",
         "tests/integration/test_vllm_fuzz.py",
     )),
-    "backend contract": Group(("tests/integration/test_vllm_backend.py",)),
+    "backend contract": Group(("tests/integration/test_vllm_backend.py", "tests/integration/test_vllm_patches.py")),
     "bad inputs": Group(("tests/integration/test_vllm_bad_inputs.py",)),
     "V2 DFlash speculator metadata": Group(("tests/integration/test_vllm_v2_drafter.py",)),
     "engine end to end": Group((

@@ -62,6 +62,12 @@ def _check_version(version: str, dist: str = "vllm") -> None:
 VLLM_DIST, VLLM_VERSION = _installed_version()
 _check_version(VLLM_VERSION, VLLM_DIST)
 
+
+def vllm_version() -> Version:
+    """The running vLLM's version, which ``patches.py`` matches each entry's version range against."""
+    return Version(VLLM_VERSION)
+
+
 # ruff: noqa: E402 -- the imports below must follow the version check
 from vllm.config import VllmConfig, get_current_vllm_config_or_none, set_current_vllm_config
 from vllm.forward_context import get_forward_context
@@ -108,14 +114,14 @@ def cpu_platform_class() -> type | None:
     return type(current_platform) if current_platform.is_cpu() else None
 
 
-def kv_spec_collectors() -> list[tuple[type, str]]:
-    """(class, method) pairs where a worker collects its layers' KV-cache specs for the scheduler, calling the
-    backends' ``customize_spec`` outside any vLLM config scope: ``Worker.get_kv_cache_spec`` (0.32 to 0.34,
-    V1 and V2 runners; ``CPUWorker`` inherits it). In 0.34 that module itself loads vLLM's scheduler (through
-    its fault-tolerance sentinel)."""
+def worker_class() -> type:
+    """vLLM's ``Worker``, whose ``get_kv_cache_spec`` collects its layers' KV-cache specs for the scheduler,
+    calling the backends' ``customize_spec`` outside any vLLM config scope (0.32 to 0.34, V1 and V2 runners;
+    ``CPUWorker`` inherits it). In 0.34 that module itself loads vLLM's scheduler (through its fault-tolerance
+    sentinel)."""
     from vllm.v1.worker.gpu_worker import Worker
 
-    return [(Worker, "get_kv_cache_spec")]
+    return Worker
 
 
 def hybrid_coordinator_class() -> type:
@@ -173,6 +179,20 @@ def alias_attention_backend(name: str, member: AttentionBackendEnum) -> None:
         )
 
 
+def registered_kv_spec_manager(spec_class: type) -> type | None:
+    """The manager vLLM's spec registry gives specs of ``spec_class`` (its lookup reads only the spec's type, so an
+    uninitialised instance serves)."""
+    return KVCacheSpecRegistry.get_manager_class(object.__new__(spec_class))
+
+
+def attention_backend_path(member: AttentionBackendEnum) -> str | None:
+    """The class path ``member`` resolves to now, None when nothing is registered for it."""
+    try:
+        return member.get_path()
+    except ValueError:
+        return None
+
+
 def ensure_builtin_kv_specs() -> None:
     """Fill vLLM's spec registry with its built-ins first: ``_ensure_registered`` skips them whenever the
     registry is non-empty, so a plugin registering first would leave FullAttentionSpec without a manager."""
@@ -199,6 +219,7 @@ __all__ = [
     "UntestedVLLMWarning",
     "VllmConfig",
     "alias_attention_backend",
+    "attention_backend_path",
     "cpu_attention_classes",
     "cpu_platform_class",
     "dflash_speculator_class",
@@ -209,9 +230,11 @@ __all__ = [
     "hybrid_coordinator_class",
     "init_logger",
     "is_draft_spec",
-    "kv_spec_collectors",
     "marked_draft_layers",
     "register_backend",
+    "registered_kv_spec_manager",
     "replace_as",
     "set_current_vllm_config",
+    "vllm_version",
+    "worker_class",
 ]

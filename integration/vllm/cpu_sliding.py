@@ -28,10 +28,11 @@ from .backend import RingKVBackend
 from .impl import RingKVImpl
 from .kv_cache import RingSWASpec
 from .metadata import RingKVMetadataBuilder
+from .names import CPU_SLIDING_BACKEND_PATH
 
 CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadataBuilder = cpu_attention_classes()
 
-BACKEND_PATH = "ringkv.integration.vllm.cpu_sliding.RingSlidingCPUBackend"
+BACKEND_PATH = CPU_SLIDING_BACKEND_PATH
 
 
 class _FullLayerImpl:

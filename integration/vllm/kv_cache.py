@@ -29,7 +29,8 @@ import triton
 from ringkv.kernels.ring_geometry import RingPlan, first_visible_position, ring_block
 
 from ._compat import KVCacheBlock, SlidingWindowManager, SlidingWindowSpec, VllmConfig, replace_as
-from .planning import UNPLANNED, RingConfigError
+from .errors import RingConfigError
+from .names import UNPLANNED
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,28 +6,26 @@ vLLM calls a backend's ``customize_spec`` several times per layer. One call (the
 specs the scheduler will use: ``GPUModelRunner.get_kv_cache_spec`` in 0.32) runs outside any
 ``set_current_vllm_config`` scope, so the backend cannot see ``num_lookahead_tokens`` there and a ring would
 be planned with the wrong lookahead (R = 129 instead of 130 on the vLLM #55800 shape).
-``collect_specs_in_config_scope`` runs that collection inside the worker's own config; a spec built with
-no config in scope stays *unplanned* (``lookahead = 0``) and is refused wherever a ring size is needed.
+``wrap_get_kv_cache_spec`` (installed by ``register()`` from ``patches.PATCHES``) runs that collection inside the
+worker's own config; a spec built with no config in scope stays *unplanned* (``lookahead = 0``) and is refused
+wherever a ring size is needed.
 """
 
 from __future__ import annotations
 
 import contextvars
-import functools
+from collections.abc import Callable
 from typing import Any
 
 from ringkv.kernels.varlen import MAX_QUERY_LEN
 
-from ._compat import AttentionBackendEnum, VllmConfig, kv_spec_collectors, set_current_vllm_config
-from .selection import RING_NAMES
+from ._compat import AttentionBackendEnum, VllmConfig, set_current_vllm_config, worker_class
+from .errors import RingConfigError
+from .names import RING_NAMES, UNPLANNED
+from .wrap_once import wrap_once
 
-UNPLANNED = 0
 # True while a worker collects its layers' specs for the scheduler, in the worker's own (the target's) config
 _collecting_worker_specs: contextvars.ContextVar[bool] = contextvars.ContextVar("ringkv_worker_specs", default=False)
-
-
-class RingConfigError(ValueError):
-    """A vLLM configuration the ring cannot serve correctly; the message names the fix."""
 
 
 def lookahead_from_config(vllm_config: VllmConfig | None) -> int:
@@ -99,21 +97,21 @@ def cpu_sliding_ring_on() -> bool:
         return False
 
 
+def wrap_get_kv_cache_spec(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A worker's spec collection (``Worker.get_kv_cache_spec``) run inside the worker's ``vllm_config``."""
+
+    def get_kv_cache_spec(self: Any, *args: Any, **kwargs: Any) -> Any:
+        token = _collecting_worker_specs.set(True)
+        try:
+            with set_current_vllm_config(self.vllm_config):
+                return original(self, *args, **kwargs)
+        finally:
+            _collecting_worker_specs.reset(token)
+
+    return get_kv_cache_spec
+
+
 def collect_specs_in_config_scope() -> None:
-    """Run each worker-side spec collection inside the worker's ``vllm_config`` (idempotent)."""
-    for owner, name in kv_spec_collectors():
-        original = getattr(owner, name)
-        if getattr(original, "_ringkv_wrapped", False):
-            continue
-
-        @functools.wraps(original)
-        def collect(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            token = _collecting_worker_specs.set(True)
-            try:
-                with set_current_vllm_config(self.vllm_config):
-                    return _original(self, *args, **kwargs)
-            finally:
-                _collecting_worker_specs.reset(token)
-
-        collect._ringkv_wrapped = True  # type: ignore[attr-defined]
-        setattr(owner, name, collect)
+    """Run the worker-side spec collection inside the worker's ``vllm_config`` (idempotent): the entry
+    ``register()`` installs from ``patches.PATCHES``."""
+    wrap_once(worker_class(), "get_kv_cache_spec", wrap_get_kv_cache_spec)

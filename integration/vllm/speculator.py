@@ -9,20 +9,20 @@ appended live in an earlier step (the previous step's partial or lookahead block
 R columns further on, the same physical block. ``do_kv_cache_update`` keeps only the last writer of a slot
 *within one call*; split, the chunk's first (dead) row is written after its later (live) one and wins.
 
-``keep_last_writers_across_split_writes`` PADs, before the eager part, every row of a ring group's context slot
-mapping whose slot a later row of the same step also writes, in place: the graph reads that buffer. Groups that
-are not on the ring are left alone (their slots never repeat within a step).
+``wrap_precompute_context_kv`` (installed by ``register()`` from ``patches.PATCHES``) PADs, before the eager part,
+every row of a ring group's context slot mapping whose slot a later row of the same step also writes, in place:
+the graph reads that buffer. Groups that are not on the ring are left alone (their slots never repeat within a
+step).
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from ringkv.kernels.ring_geometry import last_writer_slots
 
-from ._compat import dflash_speculator_class
 from .kv_cache import RingSWASpec
 
 
@@ -36,20 +36,14 @@ def ring_context_slot_rows(speculator: Any) -> list[torch.Tensor]:
     ]
 
 
-def keep_last_writers_across_split_writes() -> None:
-    """Wrap ``DFlashSpeculator._precompute_context_kv`` (idempotent): a call that starts past row 0 is the eager
-    half of a split write, so first PAD every earlier row a row up to its end supersedes."""
-    speculator_class = dflash_speculator_class()
-    original = speculator_class._precompute_context_kv
-    if getattr(original, "_ringkv_wrapped", False):
-        return
+def wrap_precompute_context_kv(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``DFlashSpeculator._precompute_context_kv`` where a call that starts past row 0 (the eager half of a split
+    write) first PADs every earlier row a row up to its end supersedes."""
 
-    @functools.wraps(original)
     def precompute_context_kv(self: Any, start: int, end: int, dummy_run: bool = False) -> None:
         if start > 0 and not dummy_run:
             for row in ring_context_slot_rows(self):
                 row[:end].copy_(last_writer_slots(row[:end]))
         original(self, start, end, dummy_run)
 
-    precompute_context_kv._ringkv_wrapped = True  # type: ignore[attr-defined]
-    speculator_class._precompute_context_kv = precompute_context_kv
+    return precompute_context_kv
