@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from ringkv.kernels.validation import MAX_HEAD_DIM
 from ringkv.kernels.kv_quant import FP8_KV_CACHE_DTYPES, UNQUANTIZED_KV_CACHE_DTYPES
+from ringkv.kernels.validation import MAX_HEAD_DIM
 
 from ._compat import AttentionBackend, MultipleOf
 
