@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The vLLM version matrix (README.md, "Supported vLLM versions"): one environment per tested vLLM version
-(``TESTED``), each running the test groups that need only vLLM's Python (``ci/compat.py``), merged into README's
-table (``ci/compat_table.py``).
+"""The vLLM version matrix (docs/compatibility.md): one environment per tested vLLM version (``TESTED``), each
+running the test groups that need only vLLM's Python (``ci/compat.py``), merged into docs/compatibility.md's table
+(``ci/compat_table.py``).
 
     .venv/bin/nox -s compat        # build or reuse the environments (.nox/), run every version, rewrite the table
     .venv/bin/nox -R -s compat     # the same, skipping the installs in environments that exist
@@ -110,5 +110,5 @@ def vllm(session: nox.Session, label: str) -> None:
 
 @nox.session(python=False, requires=["vllm"])
 def compat(session: nox.Session) -> None:
-    """The vLLM version matrix: every tested version's row, merged into README.md's table."""
+    """The vLLM version matrix: every tested version's row, merged into docs/compatibility.md's table."""
     session.run(sys.executable, "ci/compat_table.py", *(str(row_file(label)) for label in labels()))

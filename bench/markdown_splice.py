@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Generated markdown between two marker lines of a hand-written page: the compile report's table in
-bench/README.md (``compile_rows.py``) and the vLLM version matrix in README.md (``ci/compat_table.py``)."""
+bench/README.md (``compile_rows.py``), the vLLM version matrix in docs/compatibility.md (``ci/compat_table.py``)
+and the table of what ringkv changes in vLLM in docs/vllm-plugin.md (``ci/patch_table.py``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """One row of the vLLM version matrix: run, in the current environment (one vLLM version; ``noxfile.py`` builds
 it), the test groups that need only vLLM's Python, and write each group's cell to a JSON file
-(``ci/compat_table.py`` merges the rows into README.md).
+(``ci/compat_table.py`` merges the rows into docs/compatibility.md).
 
     python ci/compat.py "vllm 0.34.0" ROW.json
 """

@@ -147,7 +147,7 @@ def check_kv_alignment(name: str, cache: torch.Tensor) -> None:
             raise ValueError(
                 f"{name} has {label} stride {cache.stride(dim)} elements (dim {dim} of {tuple(cache.shape)}), not a "
                 f"multiple of {KV_STRIDE_ELEMENTS}; allocate the cache with the head dim padded to a multiple of "
-                f"{KV_STRIDE_ELEMENTS} and pass the [..., :head_dim] view (README: cache alignment)"
+                f"{KV_STRIDE_ELEMENTS} and pass the [..., :head_dim] view (docs/kernels.md: the launchers)"
             )
 
 
