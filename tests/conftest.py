@@ -16,11 +16,18 @@ if not torch.cuda.is_available():
 pytest_plugins = ["tests.requirements_plugin"]
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
     parser.addoption(
         "--seed-offset", type=int, default=0,
         help="shift the seeds of the randomized tests (tests/kernels/test_differential.py) to draw other cases",
     )  # fmt: skip
+    if not pluginmanager.has_plugin("xdist"):
+        # pyproject's addopts ask pytest-xdist for two workers; without it (-p no:xdist, or an environment that
+        # lacks it) its two options are accepted and ignored: the suite runs serially in this process
+        group = parser.getgroup("xdist", "pytest-xdist not loaded: -n and --dist are ignored")
+        # (pytest reserves lowercase short options for its own plugins; xdist registers -n the same way)
+        group._addoption("-n", "--numprocesses", dest="numprocesses", default=None, help="ignored")
+        group.addoption("--dist", dest="dist", default="no", help="ignored")
 
 
 @pytest.fixture
@@ -30,8 +37,15 @@ def device() -> torch.device:
 
 
 @pytest.fixture(scope="session")
-def chain_models(tmp_path_factory):
-    """The tiny target and the trained DFlash drafter vLLM's engine serves (built once per session, ~20 s)."""
+def chain_models(tmp_path_factory, pytestconfig):
+    """The tiny target and the trained DFlash drafter vLLM's engine serves (built once per session, ~20 s).
+
+    Under pytest-xdist the workers share one build in the run's own temporary root: the first builds it, the
+    others wait on ``build_engine_models``'s lock and reuse it."""
     from ringkv.dflash2.harness.engine_models import EngineModelSpec, build_engine_models
 
-    return build_engine_models(tmp_path_factory.mktemp("chain-models"), EngineModelSpec())
+    if hasattr(pytestconfig, "workerinput"):  # an xdist worker: its basetemp is <the run's root>/<worker id>
+        folder = tmp_path_factory.getbasetemp().parent / "chain-models"
+    else:
+        folder = tmp_path_factory.mktemp("chain-models")
+    return build_engine_models(folder, EngineModelSpec())

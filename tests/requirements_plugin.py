@@ -5,6 +5,10 @@ Each named group is checked when pytest starts (a failure is a usage error namin
 fix), and after the run any skipped test of the group (its marker, or a module carrying the marker skipped at
 collection, as ``pytest.importorskip("vllm")`` does) or a group of which no test ran fails the session. Without
 the variable nothing changes: a machine without vLLM skips those tests.
+
+Under pytest-xdist only the controller decides, from the reports the workers send it: a test's markers travel on
+its reports (``MarkerStamp``: the controller collects nothing), and the workers forward skipped collect reports
+(once per distinct ``longrepr``, which holds the skipping module's path and line).
 """
 
 from __future__ import annotations
@@ -104,13 +108,27 @@ def required_groups() -> list[Group]:
     return [GROUPS[name] for name in dict.fromkeys(names)]
 
 
+MARKERS = "ringkv_markers"  # the report attribute MarkerStamp sets
+
+
+class MarkerStamp:
+    """Names each test report's markers (``report.ringkv_markers``) where the test runs: in this process, or in
+    a pytest-xdist worker, whose reports the controller receives with their attributes."""
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+        report = yield
+        setattr(report, MARKERS, sorted({mark.name for mark in item.iter_markers()}))
+        return report
+
+
 @dataclass(eq=False)  # a plugin object must be hashable
 class Tracker:
-    """Which tests of the required groups ran, and which skipped."""
+    """Which tests of the required groups ran, and which skipped (in the process that reports the session: the
+    only one without xdist, the controller with it)."""
 
     groups: list[Group]
     rootdir: Path
-    markers: dict[str, set[str]] = field(default_factory=dict)  # nodeid -> marker names
     ran: dict[str, int] = field(default_factory=dict)  # group -> tests that ran (passed or failed)
     skipped: dict[str, list[str]] = field(default_factory=dict)  # group -> "nodeid: reason"
     problems: dict[Group, str] = field(default_factory=dict)  # what did not run
@@ -118,10 +136,6 @@ class Tracker:
     def _members(self, nodeid: str, markers: set[str]) -> list[Group]:
         path = nodeid.split("::")[0]
         return [g for g in self.groups if (g.marker and g.marker in markers) or path in g.paths]
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        self.markers = {item.nodeid: {mark.name for mark in item.iter_markers()} for item in items}
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if not report.skipped:
@@ -138,7 +152,7 @@ class Tracker:
                 self.skipped.setdefault(group.name, []).append(f"{report.nodeid} (whole module): {reason}")
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        groups = self._members(report.nodeid, self.markers.get(report.nodeid, set()))
+        groups = self._members(report.nodeid, set(getattr(report, MARKERS, ())))
         if report.skipped and not hasattr(report, "wasxfail"):
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             for group in groups:
@@ -172,6 +186,9 @@ class Tracker:
 def pytest_configure(config: pytest.Config) -> None:
     groups = required_groups()
     if not groups:
+        return
+    config.pluginmanager.register(MarkerStamp(), "ringkv-require-markers")
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller checked the groups and decides
         return
     names = ",".join(group.name for group in groups)
     problems = [f"{ENV}={names}: required test group '{group.name}' cannot run: {problem}\n  fix: {group.fix}"

@@ -120,3 +120,79 @@ def test_compile_check_names_the_missing_ptxas(monkeypatch):
     monkeypatch.setattr(NvidiaTool, "from_path", staticmethod(lambda path: None))
     problem = requirements_plugin.check_compile()
     assert problem is not None and problem.startswith("the sm_90 ptxas: RuntimeError: Cannot find ptxas"), problem
+
+
+# pytest-xdist (the suite's default, -n 2): only the controller decides, from the workers' reports. The inner runs
+# are subprocesses, so the conftest below passes the group checks and hides vllm in the controller and each worker.
+XDIST = ("-n", "2")
+CHECKS_PASS_CONFTEST = """
+import dataclasses, sys
+from tests import requirements_plugin
+requirements_plugin.GROUPS = {
+    name: dataclasses.replace(group, check=lambda: None) for name, group in requirements_plugin.GROUPS.items()
+}
+sys.modules["vllm"] = None
+"""
+
+
+@pytest.fixture
+def xdist_suite(suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    suite.makeconftest(CHECKS_PASS_CONFTEST)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)  # set when this test itself runs in a worker
+    return suite
+
+
+def run_on_two_workers(suite: pytest.Pytester, *args: str) -> pytest.RunResult:
+    result = suite.runpytest_subprocess(*PLUGIN, *XDIST, *args)
+    result.stdout.fnmatch_lines(["*2 workers*"])
+    return result
+
+
+def test_under_xdist_a_skipped_test_of_a_required_group_fails_the_session(xdist_suite, monkeypatch):
+    monkeypatch.setenv("RINGKV_REQUIRE", "vllm,interpreter")
+    result = run_on_two_workers(xdist_suite)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(passed=1, skipped=3)
+    result.stdout.fnmatch_lines([
+        "*RINGKV_REQUIRE=vllm,interpreter: required tests did not run*",
+        "group 'vllm': 2 skipped",
+        "    test_engine.py (whole module): Skipped: could not import 'vllm': *",
+        "    test_other.py::test_backend: Skipped: no vllm here",
+        "  fix: bash ci/setup.sh *",
+    ])  # fmt: skip
+    section = result.stdout.str().split("required tests did not run")[1]
+    assert "group 'interpreter'" not in section and "test_unmarked_skip" not in section
+
+
+def test_under_xdist_modules_skipped_at_collection_fail_the_session(xdist_suite, monkeypatch):
+    """Every other vllm test passes: the two modules importorskip skipped are the whole problem."""
+    xdist_suite.makepyfile(
+        test_engine_two="import pytest\npytest.importorskip('vllm')\ndef test_engine_two():\n    pass\n",
+        test_backend_runs="import pytest\n@pytest.mark.vllm\ndef test_backend_runs():\n    pass\n",
+    )
+    monkeypatch.setenv("RINGKV_REQUIRE", "vllm")
+    result = run_on_two_workers(xdist_suite, "-k", "not test_backend or test_backend_runs")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(passed=2, skipped=3)  # (xdist's summary leaves the deselected test_backend out)
+    result.stdout.fnmatch_lines(["group 'vllm': 2 skipped"])
+    lines = result.stdout.str().split("group 'vllm': 2 skipped")[1].splitlines()[1:3]
+    modules = sorted(line.split(" (whole module): Skipped: could not import 'vllm'")[0] for line in lines)
+    assert modules == ["    test_engine.py", "    test_engine_two.py"], lines
+
+
+def test_under_xdist_a_required_group_none_of_whose_tests_ran_fails_the_session(xdist_suite, monkeypatch):
+    monkeypatch.setenv("RINGKV_REQUIRE", "interpreter")
+    result = run_on_two_workers(xdist_suite, "-m", "not interpreter")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["group 'interpreter': no test of it ran (deselected or not collected)"])
+
+
+def test_under_xdist_a_required_group_that_ran_passes(xdist_suite, monkeypatch):
+    """The interpreter group is its marker only: the controller, which collects nothing, reads it off the reports."""
+    monkeypatch.setenv("RINGKV_REQUIRE", "interpreter")
+    result = run_on_two_workers(xdist_suite)
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    result.assert_outcomes(passed=1, skipped=3)
+    assert "required tests did not run" not in result.stdout.str()

@@ -13,7 +13,9 @@ and only through its context K/V: a ring that serves the wrong K/V collapses its
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -196,15 +198,35 @@ def reuse_or_build(folder: Path, stamp_name: str, spec: Any, models: EngineModel
                    build: Callable[[], float]) -> EngineModels:  # fmt: skip
     """The checkpoints in ``folder/target`` and ``folder/drafter``: reused when the stamp ``folder/stamp_name``
     holds the same ``spec`` (a dataclass), else written by ``build`` (which returns the drafter's training
-    accuracy) and stamped."""
+    accuracy) and stamped. Processes sharing ``folder`` (pytest-xdist workers, two runs of one cache) take turns
+    on a lock file in it: one builds, the others wait and reuse; the stamp is removed before a build and written
+    whole after it, so an interrupted build is never reused."""
+    folder.mkdir(parents=True, exist_ok=True)
     stamp = folder / stamp_name
-    if stamp.exists():
-        saved = json.loads(stamp.read_text())
-        if saved["spec"] == json.loads(json.dumps(asdict(spec))):
-            return EngineModels(folder / "target", folder / "drafter", models, saved["train_accuracy"])
-    accuracy = build()
-    stamp.write_text(json.dumps({"spec": asdict(spec), "train_accuracy": accuracy}))
+    with _locked(folder / f".{stamp_name}.lock"):
+        if stamp.exists():
+            saved = json.loads(stamp.read_text())
+            if saved["spec"] == json.loads(json.dumps(asdict(spec))):
+                return EngineModels(folder / "target", folder / "drafter", models, saved["train_accuracy"])
+            stamp.unlink()
+        accuracy = build()
+        partial = stamp.with_name(f".{stamp_name}.partial")
+        partial.write_text(json.dumps({"spec": asdict(spec), "train_accuracy": accuracy}))
+        os.replace(partial, stamp)
     return EngineModels(folder / "target", folder / "drafter", models, accuracy)
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (the OS releases it if the holder dies)."""
+    import fcntl
+
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def build_engine_models(folder: str | Path, spec: EngineModelSpec | None = None) -> EngineModels:
