@@ -109,12 +109,16 @@ def code_texts(text: str) -> list[str]:
 
 
 def ringkv_commands() -> list[tuple[str, list[str]]]:
-    """Every ``ringkv ...`` command line cited in the README, docs and bench pages."""
+    """Every ``ringkv ...`` command line cited in the README, docs and bench pages, and in results headers."""
     found = []
     for page in PAGES:
         for code in code_texts(page.read_text()):
             for line in re.findall(r"(?:^|[\s/])ringkv ([^&;|#\n]+)", code.replace("\\\n", " "), flags=re.M):
                 found.append((str(page.relative_to(REPO)), shlex.split(line)))
+    for result in sorted((REPO / "bench" / "results").glob("*.txt")):  # a results file's header: its command
+        for line in result.read_text().splitlines()[:3]:
+            if match := re.match(r"(?:# |Command: )ringkv (.*?)(?: \(commit .*)?$", line):
+                found.append((str(result.relative_to(REPO)), shlex.split(match.group(1))))
     return found
 
 
