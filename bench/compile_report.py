@@ -10,7 +10,7 @@ packed q/k/v; a table width that is a multiple of 16 specialises the attention k
 intercepted and its arguments are bound by Triton's own binder for the target (``create_function_from_signature`` over
 ``native_specialize_impl``: ``tt.divisibility=16`` on pointers and ints divisible by 16, 1-valued ints as
 constants, ``do_not_specialize`` honoured), then ``triton.compile`` builds the cubin. A bare ``ASTSource``
-without that specialisation compiles a different, worse kernel (``design/performance.md``).
+without that specialisation compiles a different kernel: no ``tt.divisibility`` hints, so 2-byte K/V loads.
 ``cuobjdump --dump-resource-usage`` gives REG / STACK (local-memory spill bytes) / SHARED;
 ``nvdisasm --print-line-info`` attributes every global load to its source line, so the loads issued by
 ``_tiles.load_kv_tile`` (every K/V tile of the ring and of the batch's own rows) are counted by width.

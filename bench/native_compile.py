@@ -3,8 +3,8 @@
 is intercepted, its arguments are bound by Triton's binder for the target (``create_function_from_signature`` over
 ``native_specialize_impl``: ``tt.divisibility=16`` on pointers and ints divisible by 16, 1-valued ints as
 constants, ``do_not_specialize`` honoured), then ``triton.compile`` builds the cubin with the ``ptxas`` of the
-Triton wheel. A bare ``ASTSource`` without that specialisation compiles a different, worse kernel
-(``design/performance.md``).
+Triton wheel. A bare ``ASTSource`` without that specialisation compiles a different kernel: no
+``tt.divisibility`` hints, so 2-byte K/V loads.
 
 The wheel's ``cuobjdump --dump-resource-usage`` gives REG / STACK (local-memory spill bytes) / SHARED;
 ``nvdisasm --print-line-info`` attributes every global load to its source line. Nothing here knows ringkv's
