@@ -184,6 +184,14 @@ def install(patches: tuple[Patch, ...] = PATCHES) -> tuple[Patch, ...]:
     return applying
 
 
+def entry(name: str) -> Patch:
+    """The entry named ``owner_name.attribute`` (e.g. ``"Worker.get_kv_cache_spec"``)."""
+    by_name = {patch.name: patch for patch in PATCHES}
+    if name not in by_name:
+        raise KeyError(f"no patch named {name!r}; the table has {', '.join(by_name)}")
+    return by_name[name]
+
+
 def markdown_table(patches: tuple[Patch, ...] = PATCHES) -> str:
     """The table as Markdown, one row per entry: owner, attribute, change, why (and when), vLLM versions."""
 

@@ -19,10 +19,9 @@ from typing import Any
 
 from ringkv.kernels.varlen import MAX_QUERY_LEN
 
-from ._compat import AttentionBackendEnum, VllmConfig, set_current_vllm_config, worker_class
+from ._compat import AttentionBackendEnum, VllmConfig, set_current_vllm_config
 from .errors import RingConfigError
 from .names import RING_NAMES, UNPLANNED
-from .wrap_once import wrap_once
 
 # True while a worker collects its layers' specs for the scheduler, in the worker's own (the target's) config
 _collecting_worker_specs: contextvars.ContextVar[bool] = contextvars.ContextVar("ringkv_worker_specs", default=False)
@@ -109,9 +108,3 @@ def wrap_get_kv_cache_spec(original: Callable[..., Any]) -> Callable[..., Any]:
             _collecting_worker_specs.reset(token)
 
     return get_kv_cache_spec
-
-
-def collect_specs_in_config_scope() -> None:
-    """Run the worker-side spec collection inside the worker's ``vllm_config`` (idempotent): the entry
-    ``register()`` installs from ``patches.PATCHES``."""
-    wrap_once(worker_class(), "get_kv_cache_spec", wrap_get_kv_cache_spec)

@@ -20,11 +20,10 @@ from typing import Any
 
 from ringkv.kernels._triton_utils import is_interpreter
 
-from ._compat import AttentionBackendEnum, engine_args_class, init_logger
+from ._compat import AttentionBackendEnum, init_logger
 from .capabilities import RingKVCapabilities
 from .errors import RingSelectionError
 from .names import BACKEND_PATH, RING_NAMES
-from .wrap_once import wrap_once
 
 # under vLLM's logger, which vLLM configures (a plain ``ringkv.*`` logger prints nothing in a served process)
 logger = init_logger(f"vllm.{__name__}")
@@ -63,14 +62,6 @@ def wrap_create_speculative_config(original: Callable[..., Any]) -> Callable[...
         return original(self, *args, **kwargs)
 
     return create_speculative_config
-
-
-def honour_attention_backend_env(value: str | None) -> None:
-    """Wrap ``EngineArgs.create_speculative_config`` (once) when ``value`` names the ring: the entry
-    ``register()`` installs from ``patches.PATCHES`` for the process's own ``VLLM_ATTENTION_BACKEND``, here for a
-    value given by hand."""
-    if env_names_ring(value):
-        wrap_once(engine_args_class(), "create_speculative_config", wrap_create_speculative_config)
 
 
 def selects_ring(selected_backend: Any, backend_path: str) -> bool:

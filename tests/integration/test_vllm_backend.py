@@ -101,12 +101,12 @@ def test_spec_is_planned_with_vllms_lookahead_only_inside_its_config():
 
 def test_worker_spec_collection_runs_inside_the_workers_config():
     """vLLM's Worker.get_kv_cache_spec calls customize_spec with no config in scope; register() wraps it."""
-    from ringkv.integration.vllm.planning import collect_specs_in_config_scope
+    from ringkv.integration.vllm import patches
     from vllm.config import get_current_vllm_config_or_none
     from vllm.v1.worker.gpu_worker import Worker
 
     register()
-    collect_specs_in_config_scope()
+    patches.entry("Worker.get_kv_cache_spec").install()
     seen = []
     worker = SimpleNamespace(vllm_config=dflash_config(), model_runner=SimpleNamespace(
         get_kv_cache_spec=lambda: seen.append(get_current_vllm_config_or_none()) or {}))  # fmt: skip
@@ -185,13 +185,13 @@ def test_plugin_entry_point_is_installed():
 
 
 def test_vllm_attention_backend_env_selects_the_drafter_backend(monkeypatch):
-    from ringkv.integration.vllm import selection
+    from ringkv.integration.vllm import patches, selection
 
     seen = []
     from vllm.engine.arg_utils import EngineArgs
 
     monkeypatch.setattr(EngineArgs, "create_speculative_config", lambda self, *a, **k: seen.append(self))
-    selection.honour_attention_backend_env("RINGKV")
+    patches.entry("EngineArgs.create_speculative_config").install()
     args = SimpleNamespace(speculative_config={"method": "dflash", "num_speculative_tokens": 7}, spec_method=None)
     EngineArgs.create_speculative_config(args)
     assert seen == [args] and args.speculative_config["attention_backend"] == "RINGKV"

@@ -137,3 +137,10 @@ def test_the_markdown_table_names_every_entry():
         assert f"| `{patch.owner_name}` | `{patch.attribute}` | {patch.kind} | {patch.why}" in row
         assert "`>=0.32,<0.35`" in row
         assert (f"Only when {patch.when.text}." in row) == bool(patch.when.text)
+
+
+def test_an_entry_is_found_by_its_name_and_a_wrong_name_is_named_back():
+    for patch in patches.PATCHES:
+        assert patches.entry(patch.name) is patch
+    with pytest.raises(KeyError, match=r"no patch named 'Worker.get_kv_cache_specs'; the table has .*Worker"):
+        patches.entry("Worker.get_kv_cache_specs")
