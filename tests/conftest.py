@@ -30,6 +30,14 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
         group.addoption("--dist", dest="dist", default="no", help="ignored")
 
 
+def pytest_report_header(config: pytest.Config) -> str | None:
+    """Say so when the ``-n`` of pyproject's addopts cannot take effect (pytest-xdist not loaded)."""
+    workers = config.getoption("numprocesses", None)
+    if workers is not None and not config.pluginmanager.has_plugin("xdist"):
+        return f"pytest-xdist not loaded: -n {workers} ignored, the tests run in this one process"
+    return None
+
+
 @pytest.fixture
 def device() -> torch.device:
     """Where kernel tests put tensors: the GPU if there is one, else the CPU (interpreter)."""
