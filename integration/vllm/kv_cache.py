@@ -42,6 +42,9 @@ class RingSWASpec(SlidingWindowSpec):
     """
 
     lookahead: int = field(default=UNPLANNED)
+    # the ring's blocks take part in vLLM's prefix cache (``RINGKV_RING_PREFIX_CACHE``); False: every hit is capped
+    # so the target's recompute rebuilds the ring (``prefix_cache.ring_hit_cap``)
+    cache_ring: bool = field(default=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
