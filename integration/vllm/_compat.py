@@ -83,7 +83,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, resolve_block_hashes
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import SlidingWindowSpec, replace_as
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
@@ -131,6 +131,14 @@ def hybrid_coordinator_class() -> type:
     from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
 
     return HybridKVCacheCoordinator
+
+
+def kv_cache_manager_class() -> type:
+    """vLLM's ``KVCacheManager``: ``free(request)`` (the scheduler's one call for a finished, aborted or preempted
+    request's blocks; ``coordinator.single_type_managers``, ``max_model_len``) in 0.32 to 0.34."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    return KVCacheManager
 
 
 def dflash_speculator_class() -> type:
@@ -230,10 +238,12 @@ __all__ = [
     "hybrid_coordinator_class",
     "init_logger",
     "is_draft_spec",
+    "kv_cache_manager_class",
     "marked_draft_layers",
     "register_backend",
     "registered_kv_spec_manager",
     "replace_as",
+    "resolve_block_hashes",
     "set_current_vllm_config",
     "vllm_version",
     "worker_class",

@@ -21,6 +21,7 @@ request is freed: admission, pool sizing, per-step prediction and allocation all
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ import triton
 from ringkv.kernels.ring_geometry import RingPlan, first_visible_position, ring_block
 
 from ._compat import KVCacheBlock, SlidingWindowManager, SlidingWindowSpec, VllmConfig, replace_as
+from .cached_ring import StepLengths, ring_hit, superseded_windows, window_to_hash
 from .errors import RingConfigError
 from .names import UNPLANNED
 
@@ -75,9 +77,9 @@ class RingSWASpec(SlidingWindowSpec):
 
     @property
     def prefix_cacheable(self) -> bool:
-        # ring contents are positional and per request: nothing a later request could reuse; vLLM leaves the
-        # group out of the hit lookup and prefix_cache.py caps the hit so the recompute rebuilds the ring
-        return False
+        # cache_ring: freed windows are hashed and adopted (cached_ring.py); else vLLM leaves the group out of the
+        # hit lookup and prefix_cache.py caps the hit so the recompute rebuilds the ring
+        return self.cache_ring
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
         """R (capped by the blocks a max_model_len request would hold), whatever is in flight."""
@@ -89,20 +91,54 @@ class RingSWASpec(SlidingWindowSpec):
         return blocks * self.page_size_bytes
 
 
+def ring_prefix_cache_enabled() -> bool:
+    """``RINGKV_RING_PREFIX_CACHE``: unset or ``1`` puts the ring's blocks in vLLM's prefix cache, ``0`` keeps
+    today's rebuild cap; anything else is refused."""
+    value = os.environ.get("RINGKV_RING_PREFIX_CACHE", "1")
+    if value not in ("0", "1"):
+        raise RingConfigError(
+            f"ringkv: RINGKV_RING_PREFIX_CACHE={value!r}; set it to 1 (the ring's windows in the prefix cache, the "
+            "default) or 0 (every hit capped so the target rebuilds the window)"
+        )
+    return value == "1"
+
+
 def to_ring_spec(spec: Any, lookahead: int) -> Any:
-    """Turn a ``SlidingWindowSpec`` into a ``RingSWASpec`` planned for ``lookahead`` (other specs pass
-    through; a ring spec is re-planned only while unplanned)."""
+    """Turn a ``SlidingWindowSpec`` into a ``RingSWASpec`` planned for ``lookahead``, its ``cache_ring`` from
+    ``ring_prefix_cache_enabled()`` (other specs pass through; a ring spec is re-planned only while unplanned)."""
     if isinstance(spec, RingSWASpec):
         if spec.lookahead != UNPLANNED or lookahead == UNPLANNED:
             return spec
-        return replace_as(spec, RingSWASpec, lookahead=lookahead)
-    if not isinstance(spec, SlidingWindowSpec):
+    elif not isinstance(spec, SlidingWindowSpec):
         return spec
-    return replace_as(spec, RingSWASpec, lookahead=lookahead)
+    return replace_as(spec, RingSWASpec, lookahead=lookahead, cache_ring=ring_prefix_cache_enabled())
+
+
+@dataclass(frozen=True)
+class RingStep:
+    """What one allocation does to a request's ring (``RingSWAManager.plan``): the columns that take a fresh block
+    (unclaimed so far, or holding a block another request also holds, which this request releases); the adopted
+    prefix-hit blocks that leave vLLM's free queue when touched. ``cost``: blocks the step takes from the pool, what
+    admission and execution both count."""
+
+    claims: tuple[int, ...]
+    replaced: tuple[int, ...]
+    evictable: int
+
+    @property
+    def cost(self) -> int:
+        return len(self.claims) + len(self.replaced) + self.evictable
 
 
 class RingSWAManager(SlidingWindowManager):
-    """Allocates each request's ring once and keeps its logical row periodic; never more than R blocks."""
+    """Allocates each request's ring once and keeps its logical row periodic; never more than R blocks.
+
+    With ``cache_ring`` (``cached_ring.py`` explains the rules) a prefix hit's ring blocks are adopted at their
+    columns, a hashed or shared block is never written (replaced, or its hash dropped, before its column takes the
+    next logical block), and a request's window is hashed when it is freed (``release``)."""
+
+    # the coordinator's EAGLE margin for this manager is one block (ring_hits.ring_hit relies on it)
+    supports_fine_grained_hash_lookup = False
 
     def __init__(self, kv_cache_spec: RingSWASpec, **kwargs: Any) -> None:
         # the factory passes the spec's admission cap (R); the ring needs no cap, it is the ring
@@ -110,8 +146,10 @@ class RingSWAManager(SlidingWindowManager):
         self.plan = kv_cache_spec.plan  # refuses an unplanned spec before anything is built
         super().__init__(kv_cache_spec, **kwargs)
         self.ring_blocks = self.plan.ring_blocks
-        # request id -> the physical ring blocks claimed so far (column c holds ring[c])
-        self.rings: dict[str, list[KVCacheBlock]] = {}
+        # request id -> column c's physical block (None: not claimed yet) and the logical block it holds (-1: none)
+        self.rings: dict[str, list[KVCacheBlock | None]] = {}
+        self.holds: dict[str, list[int]] = {}
+        self.steps = StepLengths()
 
     def ring_size(self, num_tokens: int) -> int:
         """Physical blocks a request with ``num_tokens`` slots holds: ``min(cdiv(N, bs), R)``."""
@@ -128,6 +166,57 @@ class RingSWAManager(SlidingWindowManager):
                 f"{self.plan.window}); plan the ring spec with vLLM's num_lookahead_tokens >= {lookahead}"
             )
 
+    def first_live_block(self, num_tokens_main_model: int) -> int:
+        """Logical blocks below this are wholly before any window this step's queries can have."""
+        lowest_commit = max(0, num_tokens_main_model - (self.plan.lookahead - 1))
+        return first_visible_position(lowest_commit, self.plan.window) // self.block_size
+
+    def hit_blocks(self, new_computed_blocks: Sequence[KVCacheBlock], num_computed_tokens: int) -> list[KVCacheBlock]:
+        """The ring group's row for a prefix hit of ``num_computed_tokens`` (the lookup's row cut to the hit the
+        coordinator settled on): null placeholders, and with ``cache_ring`` the adopted blocks."""
+        hit = num_computed_tokens // self.block_size
+        if not self.kv_cache_spec.cache_ring:
+            return [self._null_block] * hit
+        if len(new_computed_blocks) < hit:
+            raise RingConfigError(
+                f"ringkv: a prefix hit of {num_computed_tokens} tokens reached the ring group with only "
+                f"{len(new_computed_blocks)} blocks of {self.block_size}: its window would hold no K/V; set "
+                "RINGKV_RING_PREFIX_CACHE=0 and report this"
+            )
+        return list(new_computed_blocks[:hit])
+
+    def plan_step(
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_tokens_main_model: int,
+        hit: Sequence[KVCacheBlock] = (),
+    ) -> RingStep:
+        """The one account of an allocation, for the prediction and the allocation alike: claim every unclaimed
+        column of the first ``min(cdiv(N, bs), R)``; a live logical block appended to a column whose block another
+        request also holds replaces it (a block held by this request alone is written in place, its hash dropped);
+        ``hit``: the prefix hit this first allocation adopts."""
+        ring = self.rings.get(request_id, [])
+        adopted = {ring_block(j, self.ring_blocks): block for j, block in enumerate(hit) if not block.is_null}
+
+        def occupant(column: int) -> KVCacheBlock | None:
+            held = ring[column] if column < len(ring) else None
+            return held if held is not None else adopted.get(column)
+
+        end = triton.cdiv(num_tokens, self.block_size)
+        claims = tuple(column for column in range(min(end, self.ring_blocks)) if occupant(column) is None)
+        start = max(len(self.req_to_blocks.get(request_id, ())), len(hit), self.first_live_block(num_tokens_main_model))
+        written = range(self.ring_blocks) if end - start >= self.ring_blocks else [
+            ring_block(j, self.ring_blocks) for j in range(start, end)
+        ]  # fmt: skip
+        # other holders of a column's block: its references less this request's own (a ring block, not a hit)
+        replaced = tuple(
+            column for column in written
+            if column not in claims and occupant(column).ref_cnt - (column < len(ring) and ring[column] is not None) > 0
+        )  # fmt: skip
+        evictable = sum(block.ref_cnt == 0 for block in adopted.values())
+        return RingStep(claims=claims, replaced=replaced, evictable=evictable)
+
     def get_num_blocks_to_allocate(
         self,
         request_id: str,
@@ -140,32 +229,52 @@ class RingSWAManager(SlidingWindowManager):
         prefill_end: int = 0,
     ) -> int:
         # admission (capped) and execution (uncapped) ask the same question: the same answer
-        del new_computed_blocks, total_computed_tokens, num_local_computed_tokens, apply_admission_cap, prefill_end
+        del total_computed_tokens, apply_admission_cap, prefill_end
         self.check_lookahead(num_tokens, num_tokens_main_model)
-        return max(0, self.ring_size(num_tokens) - len(self.rings.get(request_id, ())))
-
-    def first_live_block(self, num_tokens_main_model: int) -> int:
-        """Logical blocks below this are wholly before any window this step's queries can have."""
-        lowest_commit = max(0, num_tokens_main_model - (self.plan.lookahead - 1))
-        return first_visible_position(lowest_commit, self.plan.window) // self.block_size
+        hit = self.hit_blocks(new_computed_blocks, num_local_computed_tokens) if new_computed_blocks else ()
+        return self.plan_step(request_id, num_tokens, num_tokens_main_model, hit).cost
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[KVCacheBlock]:
         self.check_lookahead(num_tokens, num_tokens_main_model)
-        ring = self.rings.setdefault(request_id, [])
-        missing = self.ring_size(num_tokens) - len(ring)
-        if missing > 0:
-            claimed = self.block_pool.get_new_blocks(missing)
-            ring.extend(claimed)
-            if self._record_new_block_ids:
-                self.new_block_ids.extend(block.block_id for block in claimed)
+        step = self.plan_step(request_id, num_tokens, num_tokens_main_model)
+        ring, holds = self.rings.setdefault(request_id, []), self.holds.setdefault(request_id, [])
+        width = max(len(ring), *(column + 1 for column in step.claims), 0)
+        ring.extend([None] * (width - len(ring)))
+        holds.extend([-1] * (width - len(holds)))
         row = self.req_to_blocks[request_id]
+        # release first: another request keeps each replaced block (it never returns to the free queue here)
+        self.block_pool.free_blocks([ring[column] for column in step.replaced])
+        for column in step.replaced:
+            self.forget(row, ring, holds, column)
+        fresh = self.block_pool.get_new_blocks(len(step.claims) + len(step.replaced)) if step.cost else []
+        for column, block in zip(step.claims + step.replaced, fresh, strict=True):
+            ring[column], holds[column] = block, -1
+        if self._record_new_block_ids:
+            self.new_block_ids.extend(block.block_id for block in fresh)
         first_live = self.first_live_block(num_tokens_main_model)
-        new_entries = [
-            self._null_block if j < first_live else ring[ring_block(j, self.ring_blocks)]
-            for j in range(len(row), triton.cdiv(num_tokens, self.block_size))
-        ]
-        row.extend(new_entries)
-        return new_entries
+        start = len(row)
+        for j in range(start, triton.cdiv(num_tokens, self.block_size)):
+            if j < first_live:
+                row.append(self._null_block)
+                continue
+            column = ring_block(j, self.ring_blocks)
+            block = ring[column]
+            if holds[column] not in (-1, j):
+                self.forget(row, ring, holds, column)
+                if block.block_hash is not None:  # held by this request alone: no later request may adopt it now
+                    self.block_pool._maybe_evict_cached_block(block)
+            holds[column] = j
+            row.append(block)
+        self.steps.record(request_id, num_tokens_main_model)
+        return row[start:]
+
+    def forget(self, row: list[KVCacheBlock], ring: list[KVCacheBlock | None], holds: list[int], column: int) -> None:
+        """Column ``column`` stops holding its logical block: the row no longer names it there (that block is dead
+        to every query, the R proof of ``ring_geometry``), so nothing can hash or read it under that position."""
+        old = holds[column]
+        if 0 <= old < len(row) and row[old] is ring[column]:
+            row[old] = self._null_block
+        holds[column] = -1
 
     def allocate_external_computed_blocks(
         self,
@@ -187,17 +296,33 @@ class RingSWAManager(SlidingWindowManager):
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
     ) -> None:
-        """A prefix hit (capped by ``prefix_cache`` below the first window the ring serves) is dead to the ring:
-        its blocks are null placeholders, so the row stays position-indexed."""
-        del new_computed_blocks, num_external_computed_tokens  # a ring group takes no part in the lookup
+        """A prefix hit: the row takes the hit's entries (``hit_blocks``), so it stays position-indexed; with
+        ``cache_ring`` each adopted block is touched and sits at its column ``j mod R``."""
+        del num_external_computed_tokens
+        hit = self.hit_blocks(new_computed_blocks, num_local_computed_tokens)
         row = self.req_to_blocks[request_id]
-        row.extend([self._null_block] * (num_local_computed_tokens // self.block_size - len(row)))
+        adopted = [block for block in hit if not block.is_null]
+        self.block_pool.touch(adopted)
+        ring, holds = self.rings.setdefault(request_id, []), self.holds.setdefault(request_id, [])
+        for j, block in enumerate(hit):
+            if block.is_null:
+                continue
+            column = ring_block(j, self.ring_blocks)
+            ring.extend([None] * (column + 1 - len(ring)))
+            holds.extend([-1] * (column + 1 - len(holds)))
+            ring[column], holds[column] = block, j
+        row.extend(hit)
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, *args: Any, **kwargs: Any):
-        return tuple([] for _ in kv_cache_group_ids), 0
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
+                               drop_eagle_block, alignment_tokens, *args: Any, **kwargs: Any):  # fmt: skip
+        if not kv_cache_spec.cache_ring:  # not prefix_cacheable: vLLM leaves the group out of the lookup
+            return tuple([] for _ in kv_cache_group_ids), 0
+        return ring_hit(block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec, drop_eagle_block,
+                        alignment_tokens)  # fmt: skip
 
     def cache_blocks(self, request: Any, num_tokens: int, retention_interval: int | None = None, **kwargs: Any) -> None:
+        # a ring block is hashed only when its request is freed (release): until then its column may be rewritten
         return
 
     def remove_skipped_blocks(
@@ -209,7 +334,34 @@ class RingSWAManager(SlidingWindowManager):
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return 0
 
+    def new_step_starts(self) -> None:
+        super().new_step_starts()
+        self.steps.close(self.rings)
+
+    def release(self, request: Any, drafter_max_len: int) -> None:
+        """Free a finished, aborted or preempted request's ring before vLLM frees its other groups; with
+        ``cache_ring``, first hash the window it holds and drop the hashes of the windows it supersedes
+        (``cached_ring.window_to_hash``, ``superseded_windows``)."""
+        request_id = request.request_id
+        if self.kv_cache_spec.cache_ring and request_id in self.rings:
+            hashable = window_to_hash(self, request, drafter_max_len)
+            for block in superseded_windows(self, request, min(hashable, default=len(self.req_to_blocks[request_id]))):
+                self.block_pool._maybe_evict_cached_block(block)
+            if hashable:
+                first, last = min(hashable), max(hashable)
+                self.block_pool.cache_full_blocks(
+                    request=request, blocks=self.req_to_blocks[request_id], num_cached_blocks=first,
+                    num_full_blocks=last + 1, block_size=self.block_size, kv_cache_group_id=self.kv_cache_group_id,
+                    block_mask=[j in hashable for j in range(first, last + 1)],
+                )  # fmt: skip
+        self.free(request_id)
+
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
-        """The distinct ring blocks (each once: the pool counts one reference per request)."""
+        """The distinct ring blocks (each once: the pool counts one reference per request), the newest logical
+        block first: the caller frees them in reverse, so the oldest is evicted first and the window's end (what the
+        next turn or a resumed request adopts) stays cached longest."""
         super().pop_blocks_for_free(request_id)
-        return self.rings.pop(request_id, [])
+        self.steps.forget(request_id)
+        ring, holds = self.rings.pop(request_id, []), self.holds.pop(request_id, [])
+        held = sorted(zip(holds, range(len(ring)), ring, strict=True), reverse=True)
+        return [block for _, _, block in held if block is not None]

@@ -25,7 +25,7 @@ from ._compat import AttentionBackendEnum, KVCacheSpecRegistry
 from .kv_cache import RingSWAManager, RingSWASpec
 from .names import BACKEND_PATH, CPU_SLIDING_BACKEND_PATH
 from .planning import wrap_get_kv_cache_spec
-from .prefix_cache import wrap_find_longest_cache_hit
+from .prefix_cache import wrap_find_longest_cache_hit, wrap_free
 from .selection import env_selects_ring, wrap_create_speculative_config, wrap_get_attn_backend_cls
 from .speculator import wrap_precompute_context_kv
 from .versions import SUPPORTED
@@ -157,7 +157,13 @@ PATCHES: tuple[Patch, ...] = (
     Wrap(
         owner_name="HybridKVCacheCoordinator", owner=_compat.hybrid_coordinator_class,
         attribute="find_longest_cache_hit", wrapper=wrap_find_longest_cache_hit,
-        why="Caps prefix hits so that recomputing the rest rebuilds every ring's window.",
+        why="Caps prefix hits so that recomputing the rest rebuilds every uncached ring's window, and tells a cached "
+        "ring's finder the request's length.",
+    ),
+    Wrap(
+        owner_name="KVCacheManager", owner=_compat.kv_cache_manager_class, attribute="free", wrapper=wrap_free,
+        why="Hashes a freed request's ring window (the blocks a later turn adopts) and frees it before the target's "
+        "blocks, so it is evicted first.",
     ),
     Wrap(
         owner_name="DFlashSpeculator", owner=_compat.dflash_speculator_class, attribute="_precompute_context_kv",

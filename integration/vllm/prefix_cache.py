@@ -1,8 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Prefix caching with a ring: a hit never reaches into the window the ring must still serve.
+"""Prefix caching with a ring: a hit never reaches into a window the ring cannot serve.
 
-A ring group keeps no K/V across requests (its blocks are overwritten in place, never hashed), so vLLM's hybrid
-coordinator leaves it out of the hit lookup (``prefix_cacheable`` is False) and would grant the target groups'
+With ``cache_ring`` (the default, ``RINGKV_RING_PREFIX_CACHE``) the ring group takes part in vLLM's lookup and a
+freed request's window is hashed (``cached_ring.py``); two wraps serve it: ``wrap_find_longest_cache_hit`` tells the
+ring's finder the request's length, ``wrap_free`` has the ring hash its window and free it before vLLM frees the
+other groups.
+
+Without it, a ring group keeps no K/V across requests (its blocks are overwritten in place, never hashed), so vLLM's
+hybrid coordinator leaves it out of the hit lookup (``prefix_cacheable`` is False) and would grant the target groups'
 whole hit. A drafter's context K/V at position ``p`` are a function of the target's hidden state at ``p`` alone,
 so recomputing the target from the hit on rebuilds the drafter's ring as a side effect, provided the hit stops
 where the ring's first query can still see (``ring_geometry.longest_rebuilding_prefix_hit``):
@@ -23,24 +28,44 @@ from typing import Any
 
 from ringkv.kernels.ring_geometry import longest_rebuilding_prefix_hit
 
-from .kv_cache import RingSWASpec
+from .cached_ring import LOOKUP_TOKENS
+from .kv_cache import RingSWAManager, RingSWASpec
 
 
 def ring_hit_cap(kv_cache_groups: Iterable[Any], num_tokens: int) -> int:
-    """The longest hit a request of ``num_tokens`` tokens may take so that every ring group is rebuilt by the
-    recompute (``num_tokens`` when no group is a ring)."""
-    windows = [g.kv_cache_spec.sliding_window for g in kv_cache_groups if isinstance(g.kv_cache_spec, RingSWASpec)]
+    """The longest hit a request of ``num_tokens`` tokens may take so that every ring group without ``cache_ring``
+    is rebuilt by the recompute (``num_tokens`` when there is none; a cached ring caps its own hit)."""
+    windows = [g.kv_cache_spec.sliding_window for g in kv_cache_groups
+               if isinstance(g.kv_cache_spec, RingSWASpec) and not g.kv_cache_spec.cache_ring]  # fmt: skip
     return min((longest_rebuilding_prefix_hit(num_tokens, window) for window in windows), default=num_tokens)
 
 
 def wrap_find_longest_cache_hit(original: Callable[..., Any]) -> Callable[..., Any]:
-    """vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` capped at ``ring_hit_cap``.
+    """vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` capped at ``ring_hit_cap``, with the request's
+    length in ``cached_ring.LOOKUP_TOKENS`` for the cached rings' finder.
 
     vLLM asks with ``max_cache_hit_length = request.num_tokens - 1`` (the last prompt token is always
     recomputed for its logits); a smaller bound from another caller only makes the cap stricter."""
 
     def find_longest_cache_hit(self: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
         cap = ring_hit_cap(self.kv_cache_config.kv_cache_groups, max_cache_hit_length + 1)
-        return original(self, block_hashes, min(max_cache_hit_length, cap))
+        token = LOOKUP_TOKENS.set(max_cache_hit_length + 1)
+        try:
+            return original(self, block_hashes, min(max_cache_hit_length, cap))
+        finally:
+            LOOKUP_TOKENS.reset(token)
 
     return find_longest_cache_hit
+
+
+def wrap_free(original: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's ``KVCacheManager.free(request)`` where every ring is released first (``RingSWAManager.release``:
+    hash the window, then free): its blocks join vLLM's free queue before the target's, so they are evicted first."""
+
+    def free(self: Any, request: Any) -> None:
+        for manager in self.coordinator.single_type_managers:
+            if isinstance(manager, RingSWAManager):
+                manager.release(request, self.max_model_len)
+        original(self, request)
+
+    return free

