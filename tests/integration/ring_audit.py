@@ -50,10 +50,15 @@ class RingAudit:
     block_size: int
     window: int
     lookahead: int
+    drafter_max_len: int
     slots: dict[int, list[Any]] = field(default_factory=dict)  # block id -> per-slot key
     rows: dict[str, list[int]] = field(default_factory=dict)  # request id -> the worker's row (block ids)
     keys: dict[str, PrefixKeys] = field(default_factory=dict)
+    # positions a step that skipped the drafter left unwritten, per request: its own later reads may see them (vLLM
+    # drafts worse there), no other request may
+    skipped: dict[str, set[int]] = field(default_factory=dict)
     reads_checked: int = 0
+    hashes_checked: int = 0
 
     def follow(self, output: Any) -> None:
         """Update the worker's rows as vLLM's worker does from a ``SchedulerOutput``."""
@@ -78,7 +83,14 @@ class RingAudit:
             self.slots.setdefault(where[0], [None] * self.block_size)[where[1]] = key
 
     def step(self, output: Any, requests: dict[str, Any], committed: dict[str, int], sampled: set[str]) -> None:
-        """One scheduled step's writes and reads (``committed``: each request's count after the step)."""
+        """One scheduled step's writes and reads (``committed``: each request's count after the step). vLLM runs
+        no drafter for a batch whose longest sequence is within the lookahead of the drafter's max length."""
+        longest = max(requests[request_id].num_computed_tokens for request_id in output.num_scheduled_tokens)
+        if longest + self.lookahead > self.drafter_max_len:
+            for request_id, scheduled in output.num_scheduled_tokens.items():
+                end = requests[request_id].num_computed_tokens
+                self.skipped.setdefault(request_id, set()).update(range(end - scheduled, end))
+            return
         for request_id, scheduled in output.num_scheduled_tokens.items():
             request = requests[request_id]
             end = request.num_computed_tokens  # vLLM counts the scheduled tokens as computed at schedule time
@@ -94,7 +106,10 @@ class RingAudit:
 
     def check_reads(self, request_id: str, committed: int) -> None:
         keys = self.keys[request_id].chain
+        own_holes = self.skipped.get(request_id, set())
         for position in range(max(0, committed - (self.window - 1)), committed):
+            if position in own_holes:
+                continue
             where = self.slot(request_id, position)
             held = None if where is None else self.slots.get(where[0], [None] * self.block_size)[where[1]]
             assert held == keys[position], (
@@ -103,6 +118,30 @@ class RingAudit:
                 f"{'another prefix or position' if held not in (None, JUNK) else held}"
             )
             self.reads_checked += 1
+
+    def watch_hashing(self, block_pool: Any) -> None:
+        """Check every block the ring group hashes (``BlockPool.cache_full_blocks``): each of its slots holds its
+        logical block's position with the hashing request's committed prefix."""
+        cache_full_blocks = block_pool.cache_full_blocks
+
+        def checked(request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, **kwargs):
+            if kv_cache_group_id == self.group:
+                mask = kwargs.get("block_mask") or [True] * (num_full_blocks - num_cached_blocks)
+                keys = PrefixKeys().keys(list(request.all_token_ids))
+                for j in range(num_cached_blocks, num_full_blocks):
+                    if not mask[j - num_cached_blocks] or blocks[j].is_null:
+                        continue
+                    held = self.slots.get(blocks[j].block_id, [None] * block_size)
+                    wanted = keys[j * block_size : (j + 1) * block_size]
+                    assert held == wanted, (
+                        f"request {request.request_id} hashes block {blocks[j].block_id} as logical block {j}, but it "
+                        "holds other K/V"
+                    )
+                    self.hashes_checked += 1
+            return cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                                     kv_cache_group_id, **kwargs)  # fmt: skip
+
+        block_pool.cache_full_blocks = checked
 
 
 def run(

@@ -30,10 +30,10 @@ RING_BLOCKS = DRAFTER.plan.ring_blocks  # 6
 TARGET_BLOCK = 32  # hits align to lcm(32, 16)
 
 
-def scheduler(pool_blocks: int, cache_ring: bool, max_num_seqs: int = 4):
+def scheduler(pool_blocks: int, cache_ring: bool, max_model_len: int = 4096, max_num_seqs: int = 4):
     deployment = Deployment(
         pool_blocks=pool_blocks, target_groups=2, target_kv_block_size=TARGET_BLOCK, drafter=DRAFTER,
-        max_model_len=4096, max_num_batched_tokens=96, max_num_seqs=max_num_seqs, prefix_caching=True,
+        max_model_len=max_model_len, max_num_batched_tokens=96, max_num_seqs=max_num_seqs, prefix_caching=True,
         async_scheduling=False,
     )  # fmt: skip
     config = build_vllm_config(deployment)
@@ -50,14 +50,16 @@ def scheduler(pool_blocks: int, cache_ring: bool, max_num_seqs: int = 4):
 class Traffic:
     """Conversations whose turns re-send the history plus 5-40 new tokens (each turn submitted when the one before
     finished; at ``BRANCH_TURN`` a second branch of the conversation is sent with it), and a 400-token prompt (chunks
-    longer than W) followed, once it finished, by one sharing its first 300 tokens."""
+    longer than W) followed, once it finished, by one sharing its first 300 tokens; ``edge``: a request that runs
+    to the drafter's max length ``edge`` beside them (vLLM skips the drafter for its last batches)."""
 
     TURNS, BRANCH_TURN = 4, 2
 
-    def __init__(self, hasher, seed: int, conversations: int = 3) -> None:
+    def __init__(self, hasher, seed: int, conversations: int = 3, edge: int | None = None) -> None:
         self.rng, self.hasher = random.Random(seed), hasher
         self.long = self.tokens(400)
         self.pending = [(f"c{i}/0", self.tokens(100 + 13 * i)) for i in range(conversations)] + [("long/0", self.long)]
+        self.pending += [] if edge is None else [("edge/0", self.tokens(edge - 40))]
         self.submitted: dict[str, object] = {}
         self.done: set[str] = set()
 
@@ -79,18 +81,22 @@ class Traffic:
                 self.done.add(request_id)
                 self.follow_up(request_id, list(request.all_token_ids))
         for request_id, prompt in self.pending:
-            request = make_request(request_id, prompt, max_tokens=self.rng.randint(20, 90), block_hasher=self.hasher)
+            max_tokens = 40 if request_id == "edge/0" else self.rng.randint(20, 90)
+            request = make_request(request_id, prompt, max_tokens=max_tokens, block_hasher=self.hasher)
             self.submitted[request_id] = request
             sched.add_request(request)
         self.pending = []
 
 
-def drive(pool_blocks: int, cache_ring: bool, seed: int = 0, abort_at: int | None = None):
-    sched, hasher = scheduler(pool_blocks, cache_ring)
-    traffic = Traffic(hasher, seed)
+def drive(pool_blocks: int, cache_ring: bool, seed: int = 0, abort_at: int | None = None, edge: int | None = None):
+    """The traffic through a scheduler, audited; ``edge``: also a request to that max model length."""
+    sched, hasher = scheduler(pool_blocks, cache_ring, max_model_len=edge or 4096)
+    traffic = Traffic(hasher, seed, edge=edge)
     ring = drafter_manager(sched.kv_cache_manager)
     audit = RingAudit(group=len(sched.kv_cache_config.kv_cache_groups) - 1, block_size=DRAFTER.kv_block_size,
-                      window=DRAFTER.window, lookahead=DRAFTER.lookahead)  # fmt: skip
+                      window=DRAFTER.window, lookahead=DRAFTER.lookahead,
+                      drafter_max_len=sched.vllm_config.model_config.max_model_len)  # fmt: skip
+    audit.watch_hashing(ring.block_pool)
     record = {"preemptions": 0, "hits": 0, "adopted": 0, "peak_held": 0, "accounting": []}
 
     def on_step(output) -> None:
@@ -152,7 +158,7 @@ def unheld_hashed_ring_blocks(sched) -> int:
 @pytest.mark.parametrize("pool_blocks", [400, 90], ids=["roomy", "tight"])
 def test_every_read_is_of_its_own_position_and_prefix(pool_blocks):
     sched, ring, audit, record, _ = drive(pool_blocks, cache_ring=True, abort_at=30)
-    assert audit.reads_checked > 1000
+    assert audit.reads_checked > 1000 and audit.hashes_checked > 0
     assert record["adopted"] > 0, "no ring block was adopted: the scenario does not exercise the cache"
     assert record["accounting"] == []
     assert record["peak_held"] <= RING_BLOCKS
@@ -172,3 +178,11 @@ def test_cached_rings_hit_more_than_the_rebuild_cap_and_keep_a_bounded_share():
     # one window per conversation branch left: each conversation's last turn and its branch, the long prompt and its
     # sharer (the earlier turns' windows lost their hashes)
     assert 0 < unheld_hashed_ring_blocks(cached[0]) <= RING_BLOCKS * (3 * 2 + 2)
+
+
+def test_windows_from_batches_that_skipped_the_drafter_are_never_hashed():
+    """Beside a request that runs to the max length, vLLM skips the drafter for whole batches: their positions hold
+    no K/V, so the windows of the requests in them are not hashed (the audit fails a hashed or adopted one)."""
+    _, _, audit, record, _ = drive(400, cache_ring=True, edge=1024)
+    assert any(audit.skipped.values()), "no batch skipped the drafter: the scenario does not reach the max length"
+    assert audit.hashes_checked > 0 and record["adopted"] > 0
