@@ -41,6 +41,9 @@ class EngineRunSpec:
     # slots (positions in a wave) whose request in a later wave continues the slot's request of the wave before:
     # its prompt = that prompt + its reply + the tokens this wave gives for the slot (a conversation's next turn)
     continued_slots: list[int] = field(default_factory=list)
+    # slot (as a string: the spec travels as JSON) -> the previous wave's slot its request continues, where that is
+    # another slot (a conversation's branches sent together: several slots continuing one)
+    continue_from: dict[str, int] = field(default_factory=dict)
     # request name (its index in submission order, as a string) -> reply length once reached it is aborted at
     # (``LLMEngine.abort_request`` after the step that reached it)
     abort_after_tokens: dict[str, int] = field(default_factory=dict)
@@ -161,8 +164,10 @@ def wave_prompts(
     spec: EngineRunSpec, wave: list[list[int]], previous: list[tuple[list[int], list[int]]]
 ) -> list[list[int]]:
     """The prompts a wave submits, given the previous wave's (prompt, reply) per slot."""
-    continued = set(spec.continued_slots) if previous else set()
-    return [previous[i][0] + previous[i][1] + tokens if i in continued else tokens for i, tokens in enumerate(wave)]
+    sources = {i: i for i in spec.continued_slots} | {int(slot): source for slot, source in spec.continue_from.items()}
+    sources = sources if previous else {}
+    return [previous[sources[i]][0] + previous[sources[i]][1] + tokens if i in sources else tokens
+            for i, tokens in enumerate(wave)]  # fmt: skip
 
 
 def run_wave(engine: Any, spec: EngineRunSpec, prompts: list[list[int]], first: int, params: Any) -> list[list[int]]:
