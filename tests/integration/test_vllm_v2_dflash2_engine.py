@@ -4,8 +4,10 @@ drafter (``ringkv.dflash2.harness.dflash2_models``) three ways on the same promp
 vLLM's own sliding-window rows (RINGKV's kernels with vLLM's spec unchanged: vLLM's CPU attention cannot run on
 the GPU wheel) and the drafter on the ring. Then a drafter mixing sliding and full layers, one prompt that
 wraps the ring many times through chunked prefill, and the three ways again with prefix caching on (two requests
-sharing a prefix of several windows, a conversation's second turn): a ring hit stops where the target's recompute
-rebuilds the drafter's window (``ringkv.integration.vllm.prefix_cache``). Each engine run in its own process
+sharing a prefix of several windows, a conversation of five sequential turns each adding fewer tokens than W),
+plus the ring with ``RINGKV_RING_PREFIX_CACHE=0``: the cached ring (``ringkv.integration.vllm.cached_ring``) hits
+at least what vLLM's own sliding-window rows hit, the switched-off ring stops where the target's recompute rebuilds
+the drafter's window (``ringkv.integration.vllm.prefix_cache``). Each engine run in its own process
 (``ringkv.bench.lab.e2e``).
 
 Outside CI (slow; vLLM 0.34's GPU wheel beside CPU torch, with ``ci/vllm_cpu_shims.py``): the command is
@@ -15,6 +17,7 @@ naming that fix, and under ``RINGKV_REQUIRE=vllm`` that skip fails the run.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -51,10 +54,12 @@ PROMPTS = ((200, 150), (160, 0), (97, 90))
 MAX_TOKENS = 12
 WRAP_PROMPT = (17 * WINDOW + 40, 120)  # spans >= 16 windows: the ring's R * BLOCK slots wrap 8 times
 WRAP_CHUNK = 64  # max_num_batched_tokens: the long prompt's prefill in chunks
-# prefix caching: two requests sharing SHARED tokens then TAIL of their own, beside a conversation whose second turn
-# adds TAIL tokens to the first turn's prompt and reply. TAIL < BLOCK: vLLM's DFlash lookup drops the last matched
-# block (as for EAGLE), so with more new tokens the shared content, not the ring's cap, would bound the hit
-SHARED, FIRST_TURN, TAIL = 6 * WINDOW + 20, 150, 8
+# prefix caching: two requests sharing SHARED tokens then TAIL of their own, beside a conversation whose later turns
+# each add TAIL tokens to the turn before's prompt and reply (TURNS turns). TAIL < BLOCK: vLLM's DFlash lookup drops
+# the last matched block (as for EAGLE), so with more new tokens the shared content, not the ring's cap, would bound
+# the hit
+SHARED, FIRST_TURN, TAIL, TURNS = 6 * WINDOW + 20, 150, 8, 5
+CACHING_WAYS = {None: {}, "rows": {}, "ring": {}, "ring rebuild": {"environment": {"RINGKV_RING_PREFIX_CACHE": "0"}}}
 
 
 def chain_map(models) -> list[int]:
@@ -105,14 +110,17 @@ def models_dir(pytestconfig, tmp_path_factory):
     return cache.mkdir("dflash2-engine-models") if cache else tmp_path_factory.mktemp("dflash2-engine-models")
 
 
-def engine_run(models, backend: str | None, prompts: list[list[int]], max_tokens: int, **kwargs) -> EngineRun:
+def engine_run(
+    models, backend: str | None, prompts: list[list[int]], max_tokens: int, environment: dict[str, str] | None = None,
+    **kwargs,
+) -> EngineRun:  # fmt: skip
     import vllm_cpu_shims
 
     layers = drafter_layer_names(SHAPE.target_layers, SHAPE.drafter_layers)
     spec = EngineRunSpec(
         target=str(models.target), drafter=str(models.drafter), drafter_backend=backend, prompts=prompts,
         max_tokens=max_tokens, kv_block_size=BLOCK, max_model_len=2048, max_num_seqs=len(prompts),
-        extra_engine_args=vllm_cpu_shims.ENGINE_ARGS, environment={"VLLM_TARGET_DEVICE": "cpu"},
+        extra_engine_args=vllm_cpu_shims.ENGINE_ARGS, environment={"VLLM_TARGET_DEVICE": "cpu", **(environment or {})},
         preload=["vllm_cpu_shims:install"], **kwargs,
     )  # fmt: skip
     return run_engine(spec, drafter_layers=layers)
@@ -144,19 +152,20 @@ def wrapped(v2_dflash2, models_dir, sliding):
 
 @pytest.fixture(scope="module")
 def sharing(v2_dflash2, models_dir, sliding):
-    """Wave 1: a sharer, a conversation's first turn; wave 2 (once wave 1 finished): the other sharer, the second
-    turn (the first turn's prompt + reply + TAIL tokens). Prefix caching on for all three ways."""
+    """Wave 1: a conversation's first turn, a sharer; wave 2 (once wave 1 finished): the second turn (the first
+    turn's prompt + reply + TAIL tokens), the other sharer; waves 3-5: the conversation's turns 3-5 alike. Prefix
+    caching on for all four ways."""
     chain, _, _ = sliding
     models = build_dflash2_models(models_dir / "sliding", SLIDING_DRAFTER)
     generator = random.Random(11)
     shared = random_tokens(generator, SHARED)
     first_turn = prompt(chain, FIRST_TURN, 100, seed=13)
-    tails = [random_tokens(generator, TAIL) for _ in range(3)]
-    waves = [[shared + tails[0], first_turn], [shared + tails[1], tails[2]]]
+    tails = [random_tokens(generator, TAIL) for _ in range(TURNS + 1)]
+    waves = [[first_turn, shared + tails[0]], [tails[2], shared + tails[1]], *([tail] for tail in tails[3:])]
     return {
-        backend: engine_run(models, backend, waves[0], MAX_TOKENS, later_waves=waves[1:], continued_slots=[1],
-                            enable_prefix_caching=True)
-        for backend in (None, "rows", "ring")
+        way: engine_run(models, way if way != "ring rebuild" else "ring", waves[0], MAX_TOKENS, later_waves=waves[1:],
+                        continued_slots=[0], enable_prefix_caching=True, **changes)
+        for way, changes in CACHING_WAYS.items()
     }  # fmt: skip
 
 
@@ -243,24 +252,32 @@ def test_prefix_caching_on_keeps_greedy_tokens_and_spec_decode_counters_of_stock
     chain, _, _ = sliding
     for backend, run in sharing.items():
         assert run.tokens == [continuation(chain, p, MAX_TOKENS) for p in run.prompts], backend
-    assert sharing["ring"].prompts == sharing["rows"].prompts == sharing[None].prompts, "the second turn's reply"
-    assert sharing["ring"].spec_decode == sharing["rows"].spec_decode
-    assert_counters_partial(sharing["ring"])
-    held = [blocks for step in held_blocks(sharing["ring"]) for _, blocks in step.values()]
-    assert max(held) == RING_BLOCKS, "the ring holds R blocks with prefix caching on too"
+    assert len({tuple(map(tuple, run.prompts)) for run in sharing.values()}) == 1, "the later turns' replies"
+    for way in ("ring", "ring rebuild"):
+        assert sharing[way].spec_decode == sharing["rows"].spec_decode, way
+        assert_counters_partial(sharing[way])
+        held = [blocks for step in held_blocks(sharing[way]) for _, blocks in step.values()]
+        assert max(held) == RING_BLOCKS, f"{way}: the ring holds R blocks with prefix caching on too"
+        assert sharing[way].leaked_blocks == 0, way
 
 
-def test_ring_hits_stop_where_the_targets_recompute_rebuilds_the_drafter_window(sharing):
-    """Submission order: (sharer 1, turn 1), (sharer 2, turn 2). The second sharer and the second turn hit all
-    but the drafter's window of what the first wave computed, never past ``N - (W - 1)``; vLLM's counters agree."""
-    ring, rows = sharing["ring"], sharing["rows"]
-    prompts, replies = ring.prompts, ring.tokens
-    shared = {2: SHARED, 3: len(prompts[1]) + len(replies[1])}
-    assert prompts[3][: shared[3]] == prompts[1] + replies[1] and prompts[2][:SHARED] == prompts[0][:SHARED]
-    assert len(ring.admissions) == len(prompts), "no preemption"
-    hits = assert_shared_prefixes_hit(ring, shared, WINDOW, BLOCK)
-    assert hits[0] == hits[1] == 0
-    assert_hits_capped(ring.admissions, WINDOW, BLOCK)
+def test_ring_hits_reach_the_stock_rows_hits_and_without_the_cache_stop_at_the_window(sharing):
+    """Submission order: (turn 1, sharer 1), (turn 2, sharer 2), turns 3-5. Every later request hits all but the
+    drafter's window of what came before it; the cached ring hits at least what vLLM's own sliding-window rows hit
+    on every request, the switched-off ring never past ``N - (W - 1)``; vLLM's counters agree."""
+    rows = sharing["rows"]
     stock_hits = {request_index(a.request_id): a.hit for a in rows.admissions}
-    assert all(hits[i] <= stock_hits[i] for i in shared), (hits, stock_hits)
-    print(f"hits ring {hits}, stock rows {stock_hits}")  # noqa: T201 -- the measured figure (-rP)
+    for way in ("ring", "ring rebuild"):
+        run = sharing[way]
+        prompts, replies = run.prompts, run.tokens
+        turns = [0, 2, *range(4, 4 + TURNS - 2)]  # the conversation's requests in submission order
+        shared = {3: SHARED} | {later: len(prompts[earlier]) + len(replies[earlier])
+                                for earlier, later in itertools.pairwise(turns)}  # fmt: skip
+        assert prompts[3][:SHARED] == prompts[1][:SHARED] and len(run.admissions) == len(prompts), "no preemption"
+        hits = assert_shared_prefixes_hit(run, shared, WINDOW, BLOCK)
+        assert hits[0] == hits[1] == 0
+        if way == "ring":
+            assert all(hits[i] >= stock_hits[i] for i in shared), (hits, stock_hits)
+        else:
+            assert_hits_capped(run.admissions, WINDOW, BLOCK)
+        print(f"hits {way} {hits}, stock rows {stock_hits}")  # noqa: T201 -- the measured figure (-rP)
