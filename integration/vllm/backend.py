@@ -13,7 +13,7 @@ from .capabilities import RingKVCapabilities
 from .impl import RingKVImpl
 from .kv_cache import to_ring_spec
 from .metadata import RingKVMetadataBuilder
-from .planning import check_ring_config, lookahead_from_config
+from .planning import check_ring_config, drafter_max_len_from_config, lookahead_from_config
 
 BACKEND_NAME = "RINGKV"
 
@@ -47,4 +47,4 @@ class RingKVBackend(RingKVCapabilities):
         vllm_config = get_current_vllm_config_or_none()
         if vllm_config is not None:
             check_ring_config(vllm_config)
-        return to_ring_spec(spec, lookahead_from_config(vllm_config))
+        return to_ring_spec(spec, lookahead_from_config(vllm_config), drafter_max_len_from_config(vllm_config))

@@ -28,7 +28,8 @@ or preempted; ``KVCacheManager.free``, wrapped in ``prefix_cache.py``), and only
   positions at or past it (**rejected rows**), and under async scheduling the in-flight steps' tokens (at most the
   lookahead each, ``num_output_placeholders`` steps) are not written yet;
 - every scheduler step the request took part in ran the drafter: vLLM skips the drafter, and so the context K/V
-  store, for a whole batch whose longest sequence is within the lookahead of the drafter's max length
+  store, for a whole batch whose longest sequence is within the lookahead of the drafter's max length (the
+  speculative config's ``max_model_len`` where set, ``RingSWASpec.drafter_max_len``; else the engine's)
   (``StepLengths``).
 So a freed request leaves at most R hashed blocks, its last window: what its next turn, a sibling branch or its
 own resumption adopts; and the windows of its own prefix below it (its earlier turns', its own before a

@@ -47,6 +47,8 @@ class RingSWASpec(SlidingWindowSpec):
     # the ring's blocks take part in vLLM's prefix cache (``RINGKV_RING_PREFIX_CACHE``); False: every hit is capped
     # so the target's recompute rebuilds the ring (``prefix_cache.ring_hit_cap``)
     cache_ring: bool = field(default=False)
+    # the longest sequence vLLM runs the drafter for (its speculative config's max_model_len); 0: the engine's own
+    drafter_max_len: int = field(default=0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -103,15 +105,17 @@ def ring_prefix_cache_enabled() -> bool:
     return value == "1"
 
 
-def to_ring_spec(spec: Any, lookahead: int) -> Any:
-    """Turn a ``SlidingWindowSpec`` into a ``RingSWASpec`` planned for ``lookahead``, its ``cache_ring`` from
-    ``ring_prefix_cache_enabled()`` (other specs pass through; a ring spec is re-planned only while unplanned)."""
+def to_ring_spec(spec: Any, lookahead: int, drafter_max_len: int = 0) -> Any:
+    """Turn a ``SlidingWindowSpec`` into a ``RingSWASpec`` planned for ``lookahead`` (and ``drafter_max_len``), its
+    ``cache_ring`` from ``ring_prefix_cache_enabled()`` (other specs pass through; a ring spec is re-planned only
+    while unplanned)."""
     if isinstance(spec, RingSWASpec):
         if spec.lookahead != UNPLANNED or lookahead == UNPLANNED:
             return spec
     elif not isinstance(spec, SlidingWindowSpec):
         return spec
-    return replace_as(spec, RingSWASpec, lookahead=lookahead, cache_ring=ring_prefix_cache_enabled())
+    return replace_as(spec, RingSWASpec, lookahead=lookahead, cache_ring=ring_prefix_cache_enabled(),
+                      drafter_max_len=drafter_max_len)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -338,12 +342,13 @@ class RingSWAManager(SlidingWindowManager):
         super().new_step_starts()
         self.steps.close(self.rings)
 
-    def release(self, request: Any, drafter_max_len: int) -> None:
+    def release(self, request: Any, max_model_len: int) -> None:
         """Free a finished, aborted or preempted request's ring before vLLM frees its other groups; with
         ``cache_ring``, first hash the window it holds and drop the hashes of the windows it supersedes
         (``cached_ring.window_to_hash``, ``superseded_windows``)."""
         request_id = request.request_id
         if self.enable_caching and self.kv_cache_spec.cache_ring and request_id in self.rings:
+            drafter_max_len = min(max_model_len, self.kv_cache_spec.drafter_max_len or max_model_len)
             hashable = window_to_hash(self, request, drafter_max_len)
             for block in superseded_windows(self, request, min(hashable, default=len(self.req_to_blocks[request_id]))):
                 self.block_pool._maybe_evict_cached_block(block)

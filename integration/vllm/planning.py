@@ -34,6 +34,13 @@ def lookahead_from_config(vllm_config: VllmConfig | None) -> int:
     return max(1, int(vllm_config.num_lookahead_tokens))
 
 
+def drafter_max_len_from_config(vllm_config: VllmConfig | None) -> int:
+    """The longest sequence vLLM's runner drafts for: the speculative config's draft ``max_model_len`` where it is
+    set (V1 skips the drafter, and its context K/V store, for a batch past it); 0 (the engine's) otherwise."""
+    draft = getattr(getattr(vllm_config, "speculative_config", None), "draft_model_config", None)
+    return int(getattr(draft, "max_model_len", None) or 0)
+
+
 def check_ring_config(vllm_config: VllmConfig) -> None:
     """Refuse configurations that would silently lose the ring or its contents."""
     scheduler = getattr(vllm_config, "scheduler_config", None)

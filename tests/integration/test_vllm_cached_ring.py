@@ -31,8 +31,9 @@ TARGET_BLOCK = 32  # hits align to lcm(32, 16)
 
 
 def scheduler(
-    pool_blocks: int, cache_ring: bool, max_model_len: int = 4096, max_num_seqs: int = 4, prefix_caching: bool = True
-):
+    pool_blocks: int, cache_ring: bool, max_model_len: int = 4096, max_num_seqs: int = 4, prefix_caching: bool = True,
+    drafter_max_len: int = 0,
+):  # fmt: skip
     deployment = Deployment(
         pool_blocks=pool_blocks, target_groups=2, target_kv_block_size=TARGET_BLOCK, drafter=DRAFTER,
         max_model_len=max_model_len, max_num_batched_tokens=96, max_num_seqs=max_num_seqs,
@@ -41,8 +42,8 @@ def scheduler(
     config = build_vllm_config(deployment)
     kv_config = deployment.kv_cache_config(ring=True)
     ring_group = kv_config.kv_cache_groups[-1]
-    kv_config.kv_cache_groups[-1] = replace(ring_group, kv_cache_spec=replace(ring_group.kv_cache_spec,
-                                                                             cache_ring=cache_ring))  # fmt: skip
+    ring_spec = replace(ring_group.kv_cache_spec, cache_ring=cache_ring, drafter_max_len=drafter_max_len)
+    kv_config.kv_cache_groups[-1] = replace(ring_group, kv_cache_spec=ring_spec)
     made = Scheduler(config, kv_config, StructuredOutputManager(config), block_size=TARGET_BLOCK,
                      hash_block_size=DRAFTER.kv_block_size)  # fmt: skip
     made.num_lookahead_tokens, made.num_spec_tokens = DRAFTER.lookahead, DRAFTER.num_speculative_tokens
@@ -92,15 +93,18 @@ class Traffic:
 
 def drive(
     pool_blocks: int, cache_ring: bool, seed: int = 0, abort_at: int | None = None, edge: int | None = None,
-    prefix_caching: bool = True,
+    prefix_caching: bool = True, edge_is_the_drafters: bool = False,
 ):  # fmt: skip
-    """The traffic through a scheduler, audited; ``edge``: also a request to that max model length."""
-    sched, hasher = scheduler(pool_blocks, cache_ring, max_model_len=edge or 4096, prefix_caching=prefix_caching)
+    """The traffic through a scheduler, audited; ``edge``: also a request to that max model length (the engine's,
+    or with ``edge_is_the_drafters`` the drafter's alone)."""
+    engine_max = 4096 if edge is None or edge_is_the_drafters else edge
+    sched, hasher = scheduler(pool_blocks, cache_ring, max_model_len=engine_max, prefix_caching=prefix_caching,
+                              drafter_max_len=edge if edge_is_the_drafters else 0)  # fmt: skip
     traffic = Traffic(hasher, seed, edge=edge)
     ring = drafter_manager(sched.kv_cache_manager)
     audit = RingAudit(group=len(sched.kv_cache_config.kv_cache_groups) - 1, block_size=DRAFTER.kv_block_size,
                       window=DRAFTER.window, lookahead=DRAFTER.lookahead,
-                      drafter_max_len=sched.vllm_config.model_config.max_model_len)  # fmt: skip
+                      drafter_max_len=edge or engine_max)  # fmt: skip
     audit.watch_hashing(ring.block_pool)
     record = {"preemptions": 0, "hits": 0, "adopted": 0, "peak_held": 0, "accounting": []}
 
@@ -185,10 +189,12 @@ def test_cached_rings_hit_more_than_the_rebuild_cap_and_keep_a_bounded_share():
     assert 0 < unheld_hashed_ring_blocks(cached[0]) <= RING_BLOCKS * (3 * 2 + 2)
 
 
-def test_windows_from_batches_that_skipped_the_drafter_are_never_hashed():
-    """Beside a request that runs to the max length, vLLM skips the drafter for whole batches: their positions hold
-    no K/V, so the windows of the requests in them are not hashed (the audit fails a hashed or adopted one)."""
-    _, _, audit, record, _ = drive(400, cache_ring=True, edge=1024)
+@pytest.mark.parametrize("drafters", [False, True], ids=["engine max length", "drafter max length"])
+def test_windows_from_batches_that_skipped_the_drafter_are_never_hashed(drafters):
+    """Beside a request that runs to the drafter's max length (the engine's, or the speculative config's own), vLLM
+    skips the drafter for whole batches: their positions hold no K/V, so the windows of the requests in them are
+    not hashed (the audit fails a hashed or adopted one)."""
+    _, _, audit, record, _ = drive(400, cache_ring=True, edge=1024, edge_is_the_drafters=drafters)
     assert any(audit.skipped.values()), "no batch skipped the drafter: the scenario does not reach the max length"
     assert audit.hashes_checked > 0 and record["adopted"] > 0
 
