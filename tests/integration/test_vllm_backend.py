@@ -68,12 +68,28 @@ def test_customize_spec_is_idempotent_and_derives_r_from_the_final_block_size():
     assert isinstance(ring, RingSWASpec) and RingKVBackend.customize_spec(ring) is ring
     ring8 = to_ring_spec(swa_spec(), lookahead=8)
     assert to_ring_spec(ring8, lookahead=3) is ring8, "a planned ring is never re-planned"
-    assert ring8.ring_blocks == 130 and not ring8.prefix_cacheable
+    assert ring8.ring_blocks == 130 and ring8.prefix_cacheable == ring8.cache_ring
     assert ring8.max_admission_blocks_per_request(max_in_flight_tokens=16_384, max_model_len=262_144) == 130
     # page-size unification rescales a drafter's block after the spec is built: R follows
     assert ring8.copy_with_new_block_size(32).ring_blocks == (2048 + 8 - 2 + 31) // 32 + 1 == 66
     config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=262_144))
     assert ring8.max_memory_usage_bytes(config) == 130 * ring8.page_size_bytes
+
+
+@pytest.mark.parametrize(("value", "cached"), [(None, True), ("1", True), ("0", False)])
+def test_the_switch_puts_the_ring_in_the_prefix_cache(monkeypatch, value, cached):
+    if value is None:
+        monkeypatch.delenv("RINGKV_RING_PREFIX_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("RINGKV_RING_PREFIX_CACHE", value)
+    ring = to_ring_spec(swa_spec(), lookahead=8)
+    assert ring.cache_ring is ring.prefix_cacheable is cached
+
+
+def test_a_switch_value_other_than_0_or_1_is_refused(monkeypatch):
+    monkeypatch.setenv("RINGKV_RING_PREFIX_CACHE", "yes")
+    with pytest.raises(RingConfigError, match=r"RINGKV_RING_PREFIX_CACHE='yes'; set it to 1 .* or 0"):
+        to_ring_spec(swa_spec(), lookahead=8)
 
 
 def dflash_config(num_speculative_tokens: int = 7):
