@@ -19,7 +19,6 @@ from ringkv.integration.cli import (
     Window,
     build_app,
     console,
-    fail,
     plan,
     require,
     require_at_least,
@@ -31,7 +30,7 @@ from ringkv.integration.cli import (
 from .commands import admission, demo, e2e
 from .compile_report import compile_report
 from .fp8_acceptance import fp8_acceptance
-from .load import LoadOptions
+from .load import MODE_NAMES, WORKLOAD_NAMES, LoadOptions
 
 bench = typer.Typer(help="Benchmarks: CPU figures with vLLM's scheduling code.", no_args_is_help=True)
 
@@ -58,7 +57,11 @@ def cpu_figures(
 
 @bench.command("load", cls=RenamedFlagsCommand)
 def load(
-    pool_blocks: list[int] = typer.Option(list(LoadOptions.pool_blocks), help="KV pool sizes (repeat the flag)"),
+    workload: list[str] = typer.Option(list(LoadOptions.workload), help="named workloads (bench/README.md)"),
+    mode: list[str] = typer.Option(list(LoadOptions.mode), help="drafter modes: stock, ring-today, ring-cached"),
+    pool_multiple: list[float] = typer.Option(
+        list(LoadOptions.pool_multiple), help="pools as multiples of the base pool (repeat the flag)"
+    ),
     window: Window = LoadOptions.window,
     drafter_kv_block_size: DrafterKvBlockSize = LoadOptions.drafter_kv_block_size,
     num_speculative_tokens: NumSpeculativeTokens = LoadOptions.num_speculative_tokens,
@@ -66,61 +69,62 @@ def load(
     target_kv_block_size: TargetKvBlockSize = LoadOptions.target_kv_block_size,
     max_num_batched_tokens: Chunk = LoadOptions.max_num_batched_tokens,
     max_num_seqs: int = typer.Option(LoadOptions.max_num_seqs, help="most requests running at once"),
-    conversations: int = typer.Option(LoadOptions.conversations, help="conversations (one turn live at a time)"),
-    turns: int = typer.Option(LoadOptions.turns, help="turns per conversation, each re-sending the whole history"),
-    system_tokens: int = typer.Option(LoadOptions.system_tokens, help="system prompt every conversation shares"),
-    turn_tokens: int = typer.Option(LoadOptions.turn_tokens, help="new tokens a turn adds to the history"),
-    output_tokens: int = typer.Option(LoadOptions.output_tokens, help="tokens every request generates"),
-    long_prompts: int = typer.Option(LoadOptions.long_prompts, help="independent single-turn prompts"),
-    long_prompt_tokens: int = typer.Option(LoadOptions.long_prompt_tokens, help="tokens of each of them"),
+    conversations: int = typer.Option(LoadOptions.conversations, help="0: the workload's own; else its first N"),
     seed: Seed = LoadOptions.seed,
-    out: Path = typer.Option(Path("bench") / "results", help="folder for load.jsonl, load_cpu.txt, load.png"),
+    repeats: int = typer.Option(LoadOptions.repeats, help="runs of the whole table; their rows must be identical"),
+    jobs: int = typer.Option(LoadOptions.jobs, help="cells running at once (each in a process of its own)"),
+    out: Path = typer.Option(Path("bench") / "results", help="folder for the tables, the JSONL rows and the plot"),
 ) -> None:
-    """The same requests through vLLM's real Scheduler + KVCacheManager, stock drafter vs ring, at each pool size,
-    prefix caching off and on; fake model, random acceptance of N drafts (a generator per request).
+    """The named workloads through vLLM's real Scheduler + KVCacheManager (fake model, random acceptance of N
+    drafts, a generator per request), stock drafter vs ring-today (every prefix hit capped at N - (W - 1)) vs
+    ring-cached (the ring's blocks in the prefix cache), prefix caching on, at pools given as multiples of the base
+    pool: the smallest where stock neither preempts nor evicts (found by search). Each cell in a process of its
+    own; the table runs --repeats times and exits 1 unless every repeat's rows are identical.
 
-    Columns: preemptions; recomputed tokens = target tokens computed (scheduled minus rejected drafts, every step)
-    minus the distinct prefixes among all requests' computed tokens, i.e. what the target computes beyond what an
-    unbounded token-exact cache would leave it (re-sent history the prefix cache did not serve, the ring's last
-    window under its hit cap, preempted work redone); scheduler steps to finish everything; running requests
-    (admitted, holding KV) at the peak and on average over the steps; peak drafter blocks held (all requests,
-    shared blocks once); prefix-cache hit tokens (every admission, resumed ones too)."""
+    Columns: recomputed target tokens = target tokens computed (scheduled minus rejected drafts) minus the distinct
+    prefixes among all requests' computed tokens (what an unbounded token-exact cache would leave); per-turn
+    recompute p50 / p99 = over the turns after a conversation's first, the tokens a turn computes beyond its tokens
+    past the previous turn's computed ones; preemptions; scheduler steps; running requests at the peak and on
+    average; drafter blocks the requests hold (shared ones once), peak and mean; unheld hashed drafter blocks =
+    blocks with a drafter-group entry in vLLM's BlockPool cache map and ref_cnt 0, at the end and at the peak;
+    conversations with at least one cached target block, at the end and at that peak; cache entries evicted (a
+    hashed free block reused by get_new_blocks), target / drafter; prefix-cache hit tokens (every admission)."""
     require_at_least([
         ("--window", window, 1), ("--drafter-kv-block-size", drafter_kv_block_size, 1),
         ("--num-speculative-tokens", num_speculative_tokens, 1), ("--target-groups", target_groups, 1),
         ("--target-kv-block-size", target_kv_block_size, 1), ("--max-num-batched-tokens", max_num_batched_tokens, 1),
-        ("--max-num-seqs", max_num_seqs, 1), ("--conversations", conversations, 0), ("--turns", turns, 1),
-        ("--system-tokens", system_tokens, 0), ("--turn-tokens", turn_tokens, 1), ("--output-tokens", output_tokens, 1),
-        ("--long-prompts", long_prompts, 0), ("--long-prompt-tokens", long_prompt_tokens, 1),
-        *(("--pool-blocks", pool, 2) for pool in pool_blocks),
+        ("--max-num-seqs", max_num_seqs, 1), ("--conversations", conversations, 0), ("--repeats", repeats, 1),
+        ("--jobs", jobs, 1),
     ])  # fmt: skip
-    require(conversations + long_prompts > 0, "--conversations and --long-prompts are both 0: nothing to run")
+    for flag, given, known in (("--workload", workload, WORKLOAD_NAMES), ("--mode", mode, MODE_NAMES)):
+        unknown = sorted(set(given) - set(known))
+        require(not unknown, f"{flag} {', '.join(unknown)} is not one of {', '.join(known)}")
+        require(len(set(given)) == len(given), f"{flag} names one twice: {' '.join(given)}")
+    require(all(m > 0 for m in pool_multiple), f"--pool-multiple {pool_multiple}: every multiple must be > 0")
     require_block_multiple(target_kv_block_size, drafter_kv_block_size)
     require(num_speculative_tokens < 64, f"--num-speculative-tokens {num_speculative_tokens} must be <= 63")
     require(not out.is_file(), f"--out {out} is a file; give a folder")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from rich.progress import Progress
-    from ringkv.bench.lab.simulation.load import PoolTooSmall
 
-    from .load import run
+    from .load import cell_count, run
 
     options = LoadOptions(
-        pool_blocks=tuple(pool_blocks), window=window, drafter_kv_block_size=drafter_kv_block_size,
-        num_speculative_tokens=num_speculative_tokens, target_groups=target_groups,
-        target_kv_block_size=target_kv_block_size, max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs,
-        conversations=conversations, turns=turns, system_tokens=system_tokens, turn_tokens=turn_tokens,
-        output_tokens=output_tokens, long_prompts=long_prompts, long_prompt_tokens=long_prompt_tokens, seed=seed,
+        workload=tuple(workload), mode=tuple(mode), pool_multiple=tuple(pool_multiple), window=window,
+        drafter_kv_block_size=drafter_kv_block_size, num_speculative_tokens=num_speculative_tokens,
+        target_groups=target_groups, target_kv_block_size=target_kv_block_size,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, conversations=conversations,
+        seed=seed, repeats=repeats, jobs=jobs,
     )  # fmt: skip
     with Progress(console=console(), transient=True) as bar:
-        task = bar.add_task("runs (pool x prefix caching x drafter)", total=4 * len(pool_blocks))
-        try:
-            _, grid, files = run(options, out, on_row=lambda _: bar.advance(task))
-        except PoolTooSmall as error:
-            fail(f"{error}; give larger --pool-blocks")
-    console().print(grid)
+        task = bar.add_task("searches and cells", total=cell_count(options))
+        _, files, identical = run(options, out, on_cell=lambda: bar.advance(task))
     for path in files:
+        if path.suffix == ".txt":
+            console().print(path.read_text())
         console().print(f"wrote {path}")
+    if not identical:
+        raise typer.Exit(1)
 
 
 @bench.command("gpu-check")

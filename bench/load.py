@@ -1,66 +1,58 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One stream of requests, stock drafter (vLLM's ``SlidingWindowSpec``) vs ring (``RingSWASpec``), through vLLM's
-real Scheduler and KVCacheManager at several pool sizes, prefix caching off and on
-(``ringkv.bench.lab.simulation.load``).
+"""``ringkv bench load``: the named workloads (``ringkv.bench.lab.simulation.workloads``) through vLLM's real
+Scheduler and KVCacheManager, stock drafter vs ring-today (every hit capped to rebuild the ring) vs ring-cached
+(the ring's blocks in the prefix cache, ``RingSWASpec.cache_ring``), at pools given as multiples of the base
+pool: the smallest where stock neither preempts nor evicts (``cells.search_base_pool``).
 
-The workload: conversations that share a system prompt and whose turns re-send the whole history (a turn
-arrives when the one before finishes), beside independent long prompts. Rows go to ``load.jsonl``, the table to
-``load_cpu.txt`` (with the command), the plot to ``load.png``.
+Every cell (workload, mode, pool) runs in a process of its own (a fresh child of a fork server that has imported
+vLLM and run nothing), and the whole table runs ``repeats`` times; the rows of every repeat must be identical.
+Per workload the table goes to ``load_w{W}[_{workload}]_cpu.txt`` (the chat workload's without the suffix),
+headed by the command and the commit; every row of every repeat to ``load_w{W}.jsonl``; the plot to
+``load_w{W}.png`` (``load_report.py``).
 """
 
 from __future__ import annotations
 
-import random
+import multiprocessing
+import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
-
+from .load_report import plot, table, write_text
 from .records import environment, write_jsonl
 
 if TYPE_CHECKING:
-    from ringkv.bench.lab.simulation.admission import Deployment
-    from ringkv.bench.lab.simulation.load import Conversation
+    from ringkv.bench.lab.simulation.cells import Cell, Shape
 
 Row = dict[str, Any]
-
-DRAFTERS = ("stock", "ring")
-# (row key, column title, format) of the table, after pool / prefix caching / drafter
-COLUMNS = (
-    ("preemptions", "preemptions", ","),
-    ("recomputed_tokens", "recomputed tokens", ","),
-    ("steps", "scheduler steps", ","),
-    ("peak_running", "peak running", ","),
-    ("mean_running", "mean running", ".1f"),
-    ("peak_drafter_blocks", "peak drafter blocks", ","),
-    ("prefix_hit_tokens", "prefix-cache hit tokens", ","),
-)
+WORKLOAD_NAMES = ("chat", "agentic")
+MODE_NAMES = ("stock", "ring-today", "ring-cached")
+# the module every cell's process needs, imported once by the fork server
+CELL_MODULE = "ringkv.bench.lab.simulation.cells"
 
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """The run: pool sizes, the deployment's shape and the workload (each a ``ringkv bench load`` flag)."""
+    """The run (each field a ``ringkv bench load`` flag): #55800's deployment (W 2048, block 16, N 7; 6 target
+    groups x block 2304, chunk 8192), the workloads, the modes and the pools as multiples of the base pool."""
 
-    pool_blocks: tuple[int, ...] = (500, 600, 800, 1000, 1200, 1600, 2400)
-    # vLLM #55800's deployment at a quarter of its sizes: W 2048 -> 512, chunk 8192 -> 2048, target block 2304 -> 576
-    window: int = 512
+    workload: tuple[str, ...] = WORKLOAD_NAMES
+    mode: tuple[str, ...] = MODE_NAMES
+    pool_multiple: tuple[float, ...] = (0.125, 0.25, 0.375, 0.5, 0.75, 1.0)
+    window: int = 2048
     drafter_kv_block_size: int = 16
     num_speculative_tokens: int = 7
     target_groups: int = 6
-    target_kv_block_size: int = 576
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 32
-    conversations: int = 24
-    turns: int = 6
-    system_tokens: int = 2048
-    turn_tokens: int = 128
-    output_tokens: int = 128
-    long_prompts: int = 8
-    long_prompt_tokens: int = 16_384
+    target_kv_block_size: int = 2304
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 64
+    conversations: int = 0
     seed: int = 0
+    repeats: int = 2
+    jobs: int = 2
 
     def command(self, out: Path) -> str:
         """The ``ringkv`` command line that makes this run."""
@@ -71,138 +63,128 @@ class LoadOptions:
                 flags.append(f"--{field.name.replace('_', '-')} {value}")
         return " ".join(["ringkv bench load", *flags, f"--out {out}"])
 
+    def shape(self, workload: str) -> Shape:
+        from ringkv.bench.lab.simulation.cells import Shape
 
-def workload(options: LoadOptions) -> list[Conversation]:
-    """The conversations (first turn: the shared system prompt plus ``turn_tokens``) and the long prompts (one
-    turn each), random token ids from ``seed``."""
-    from ringkv.bench.lab.simulation.load import Conversation
-
-    rng = random.Random(options.seed)
-
-    def tokens(n: int) -> tuple[int, ...]:
-        # ids 3 and up: 1 is the fake model's sampled token, 2 the tail of the admission demo
-        return tuple(rng.randrange(3, 1000) for _ in range(n))
-
-    system = tokens(options.system_tokens)
-    chats = [Conversation((system + tokens(options.turn_tokens), *(tokens(options.turn_tokens)
-                                                                   for _ in range(options.turns - 1))),
-                          options.output_tokens) for _ in range(options.conversations)]  # fmt: skip
-    singles = [Conversation((tokens(options.long_prompt_tokens),), options.output_tokens)
-               for _ in range(options.long_prompts)]  # fmt: skip
-    return chats + singles
+        return Shape(workload=workload, window=self.window, drafter_kv_block_size=self.drafter_kv_block_size,
+                     num_speculative_tokens=self.num_speculative_tokens, target_groups=self.target_groups,
+                     target_kv_block_size=self.target_kv_block_size,
+                     max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+                     conversations=self.conversations, seed=self.seed)  # fmt: skip
 
 
-def longest_request(options: LoadOptions) -> int:
-    """Tokens of the longest request (prompt and output), the last turn's or a long prompt's."""
-    chat = options.system_tokens + options.turns * (options.turn_tokens + options.output_tokens)
-    single = options.long_prompt_tokens + options.output_tokens if options.long_prompts else 0
-    return max(chat if options.conversations else 0, single)
+def text_name(window: int, workload: str) -> str:
+    """The results file of one workload's table (the chat workload's is the headline, without its name)."""
+    return f"load_w{window}{'' if workload == 'chat' else '_' + workload}_cpu.txt"
 
 
-def deployment(options: LoadOptions, pool_blocks: int, prefix_caching: bool) -> Deployment:
-    from ringkv.bench.lab.simulation.admission import Deployment
-    from ringkv.kernels.testing import ISSUE_55800
+@dataclass
+class Search:
+    """One workload's base pool and the stock probes that found it (pool order)."""
 
-    drafter = replace(ISSUE_55800, window=options.window, kv_block_size=options.drafter_kv_block_size,
-                      num_speculative_tokens=options.num_speculative_tokens)  # fmt: skip
-    # room for the drafts verified past the last token
-    max_model_len = longest_request(options) + 2 * drafter.lookahead
-    return Deployment(
-        pool_blocks=pool_blocks, target_groups=options.target_groups, target_kv_block_size=options.target_kv_block_size,
-        drafter=drafter, max_model_len=max_model_len, max_num_batched_tokens=options.max_num_batched_tokens,
-        max_num_seqs=options.max_num_seqs, prefix_caching=prefix_caching,
-    )  # fmt: skip
+    base_pool: int
+    probes: list[Row]
 
-
-def measure(options: LoadOptions, on_row: Callable[[Row], None] | None = None) -> list[Row]:
-    """One row per pool size x prefix caching off / on x stock / ring."""
-    from ringkv.bench.lab.simulation.load import run_load
-    from ringkv.bench.lab.simulation.scheduler_run import build_vllm_config
-
-    conversations = workload(options)
-    rows = []
-    for pool in options.pool_blocks:
-        for prefix_caching in (False, True):
-            setup = deployment(options, pool, prefix_caching)
-            config = build_vllm_config(setup)
-            for drafter in DRAFTERS:
-                result = run_load(config, setup, drafter == "ring", conversations, options.seed)
-                rows.append({"pool_blocks": pool, "prefix_caching": prefix_caching, "drafter": drafter,
-                             **asdict(result), "recomputed_tokens": result.recomputed_tokens,
-                             "mean_running": result.mean_running})  # fmt: skip
-                if on_row is not None:
-                    on_row(rows[-1])
-    return rows
+    def describe(self) -> str:
+        below = next(p for p in reversed(self.probes) if p["pool_blocks"] < self.base_pool)
+        why = (
+            "no request ran" if "pool_too_small" in below
+            else f"{below['preemptions']} preemptions, {below['target_evictions'] + below['drafter_evictions']} "
+                 "cache entries evicted"
+        )  # fmt: skip
+        return (f"base pool {self.base_pool:,} blocks: the smallest where stock neither preempts nor evicts "
+                f"(doubling, then bisection: {len(self.probes)} stock runs; at {below['pool_blocks']:,}: "
+                f"{why})")  # fmt: skip
 
 
-def table(rows: list[Row], title: str) -> Table:
-    grid = Table(title=title, title_justify="left")
-    for column in ("pool blocks", "prefix caching", "drafter", *(name for _, name, _ in COLUMNS)):
-        grid.add_column(column, justify="left" if column == "drafter" else "right")
+def _search(shape: Shape) -> Search:
+    from ringkv.bench.lab.simulation.cells import search_base_pool
+
+    return Search(*search_base_pool(shape))
+
+
+def _cell(cell: Cell) -> tuple[tuple[int, int], Row]:
+    """(this process: its id and start time, unique while the machine runs; the cell's row)."""
+    from ringkv.bench.lab.simulation.cells import run_cell
+
+    # /proc/self/stat's 22nd field, the start time in clock ticks (the name in field 2 may hold spaces)
+    started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    return (os.getpid(), started), run_cell(cell)
+
+
+def measure(options: LoadOptions, on_cell: Callable[[], None] | None = None) -> tuple[list[Row], dict[str, Search]]:
+    """Every repeat's rows (workload, repeat, pool, mode order) and each workload's search; each search and each
+    cell in a process of its own (checked: ``RuntimeError`` if two cells shared one)."""
+    from ringkv.bench.lab.simulation.cells import Cell
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([CELL_MODULE])
+    with ProcessPoolExecutor(options.jobs, mp_context=context, max_tasks_per_child=1) as pool:
+        searches = {w: pool.submit(_search, options.shape(w)) for w in options.workload}
+        cells: list[tuple[Row, Future[tuple[tuple[int, int], Row]]]] = []
+        for workload in options.workload:
+            search = searches[workload].result()
+            if on_cell is not None:
+                on_cell()
+            for repeat in range(1, options.repeats + 1):
+                for multiple in options.pool_multiple:
+                    pool_blocks = max(2, round(multiple * search.base_pool))
+                    for mode in options.mode:
+                        cell = Cell(options.shape(workload), mode, pool_blocks)
+                        coordinates = {"repeat": repeat, "pool_multiple": multiple, "base_pool": search.base_pool}
+                        cells.append((coordinates, pool.submit(_cell, cell)))
+        rows, processes = [], set()
+        for coordinates, future in cells:
+            process, row = future.result()
+            processes.add(process)
+            rows.append({**coordinates, **row})
+            if on_cell is not None:
+                on_cell()
+    if len(processes) != len(rows):
+        raise RuntimeError(f"{len(rows)} cells ran in {len(processes)} processes; each needs its own")
+    return rows, {w: f.result() for w, f in searches.items()}
+
+
+def differing_repeats(rows: list[Row]) -> list[str]:
+    """The cells whose rows differ between repeats (every measured column), as ``workload/mode/pool``."""
+    first: dict[tuple, Row] = {}
+    differ = []
     for row in rows:
-        grid.add_row(f"{row['pool_blocks']:,}", "on" if row["prefix_caching"] else "off", row["drafter"],
-                     *(format(row[key], spec) for key, _, spec in COLUMNS))  # fmt: skip
-    return grid
+        key = (row["workload"], row["mode"], row["pool_blocks"])
+        measured = {k: v for k, v in row.items() if k != "repeat"}
+        if key in first and first[key] != measured:
+            differ.append("/".join(map(str, key)))
+        first.setdefault(key, measured)
+    return differ
 
 
-def title(options: LoadOptions) -> str:
-    chats = (f"{options.conversations} conversations x {options.turns} turns (shared {options.system_tokens}-token "
-             f"system prompt, {options.turn_tokens} new tokens a turn, whole history re-sent)")  # fmt: skip
-    return (f"{chats} + {options.long_prompts} prompts of {options.long_prompt_tokens:,}, {options.output_tokens} "
-            f"tokens out each; drafter W {options.window} / block {options.drafter_kv_block_size} / N "
-            f"{options.num_speculative_tokens}, {options.target_groups} target groups x block "
-            f"{options.target_kv_block_size}, chunk {options.max_num_batched_tokens}, max {options.max_num_seqs} "
-            f"running")  # fmt: skip
-
-
-def write_text(path: Path, grid: Table, header: list[str]) -> Path:
-    with path.open("w") as handle:
-        handle.write("\n".join(header) + "\n")
-        Console(file=handle, width=200).print(grid)
-    return path
-
-
-def plot(rows: list[Row], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = (("recomputed_tokens", "tokens recomputed"), ("steps", "scheduler steps"),
-              ("peak_running", "peak running requests"), ("mean_running", "mean running requests"))  # fmt: skip
-    figure, axes = plt.subplots(1, len(panels), figsize=(17, 4))
-    for axis, (key, label) in zip(axes, panels, strict=True):
-        for drafter, color in zip(DRAFTERS, ("tab:red", "tab:blue"), strict=True):
-            for caching, style in ((False, ":"), (True, "-")):
-                points = [(r["pool_blocks"], r[key]) for r in rows
-                          if r["drafter"] == drafter and r["prefix_caching"] == caching]  # fmt: skip
-                axis.plot(*zip(*points, strict=True), style, color=color, marker="o",
-                          label=f"{drafter}, prefix caching {'on' if caching else 'off'}")  # fmt: skip
-        axis.set(xlabel="pool blocks", ylabel=label, title=label)
-        axis.set_ylim(bottom=0)
-        axis.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    figure.suptitle("Same requests, stock drafter vs ring (vLLM Scheduler + KVCacheManager, CPU)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+def cell_count(options: LoadOptions) -> int:
+    """Progress units: one per search, one per cell."""
+    cells = options.repeats * len(options.pool_multiple) * len(options.mode)
+    return len(options.workload) * (1 + cells)
 
 
 def run(
-    options: LoadOptions, out: Path, on_row: Callable[[Row], None] | None = None
-) -> tuple[list[Row], Table, list[Path]]:
-    """Measure and write ``load.jsonl``, ``load_cpu.txt`` and ``load.png`` into ``out``; returns (rows, the
-    table, the files)."""
-    rows = measure(options, on_row)
+    options: LoadOptions, out: Path, on_cell: Callable[[], None] | None = None
+) -> tuple[list[Row], list[Path], bool]:
+    """Measure and write the text tables, the JSONL rows and the plot into ``out``; returns (rows, the files,
+    whether every repeat gave identical rows)."""
+    rows, searches = measure(options, on_cell)
+    differ = differing_repeats(rows)
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
-    grid = table(rows, title(options))
     header = [
         f"Measured {env['time']} on {env['machine']} ({env['cpus']} cores), torch {env['torch']}, {env['vllm']}, "
         f"commit {env['commit']}.",
         f"Command: {options.command(out)}",
     ]
-    files = [write_jsonl(out / "load.jsonl", [{**row, "options": asdict(options)} for row in rows]),
-             write_text(out / "load_cpu.txt", grid, header), plot(rows, out / "load.png")]  # fmt: skip
-    return rows, grid, files
+    identical = (f"{options.repeats} runs of the table, each cell in a process of its own: "
+                 + (f"rows DIFFER at {', '.join(differ)}" if differ else "every row identical"))  # fmt: skip
+    recorded = [{**row, "identical_repeats": not differ, "options": asdict(options)} for row in rows]
+    files = [write_jsonl(out / f"load_w{options.window}.jsonl", recorded)]
+    for workload in options.workload:
+        first = [r for r in rows if r["workload"] == workload and r["repeat"] == 1]
+        grid = table(first, options, searches[workload].describe())
+        files.append(write_text(out / text_name(options.window, workload), grid, [*header, identical]))
+    files.append(plot([r for r in rows if r["repeat"] == 1], out / f"load_w{options.window}.png"))
+    return rows, files, not differ

@@ -46,6 +46,8 @@ class Deployment:
     stock_drafter: str = "sliding"
     max_num_seqs: int = 16
     prefix_caching: bool = False
+    # the ring's blocks in vLLM's prefix cache (RingSWASpec.cache_ring); False: every hit capped to rebuild the ring
+    cache_ring: bool = False
 
     @property
     def max_in_flight_tokens(self) -> int:
@@ -61,7 +63,7 @@ class Deployment:
             "sliding_window": self.drafter.window,
         }
         if ring:
-            return RingSWASpec(**fields, lookahead=self.drafter.lookahead)
+            return RingSWASpec(**fields, lookahead=self.drafter.lookahead, cache_ring=self.cache_ring)
         if self.stock_drafter == "full":
             del fields["sliding_window"]
             return FullAttentionSpec(**fields)

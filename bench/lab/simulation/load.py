@@ -1,12 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """A stream of requests through vLLM's real ``Scheduler`` (no model): conversations whose turns re-send the whole
-history, each turn arriving when the one before finishes, beside independent prompts. A fake model samples
+history (``workloads.py``), each turn arriving when the one before finishes. A fake model samples
 (``fake_sample``: random acceptance, one generator per request, so a request draws the same acceptances
 whatever the pool does to it). Counts what the pool costs the target: preemptions, tokens computed beyond the
-least, steps, concurrency, drafter blocks, prefix-cache hits."""
+least (in all and per turn), steps, concurrency, drafter blocks held, prefix-cache hits, and what the prefix
+cache holds (``census.py``): evictions, the drafter's unheld hashed blocks, conversations with cached target
+blocks."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from itertools import pairwise
@@ -15,41 +18,53 @@ import numpy as np
 
 from ._vllm import DraftTokenIds, Request, SchedulerOutput, VllmConfig, runner_output
 from .admission import Deployment, drafter_blocks_in_use, make_request
+from .census import CacheCensus
 from .scheduler_run import fake_sample, make_scheduler, request_block_hasher
+from .workloads import Conversation
 
 
 class PoolTooSmall(RuntimeError):
     """A step scheduled nothing: the empty pool cannot hold a waiting request."""
 
 
-@dataclass(frozen=True)
-class Conversation:
-    """One client's turns: turn ``k``'s prompt is turn ``k - 1``'s prompt and output plus ``turns[k]`` (its new
-    token ids); every turn generates ``max_tokens`` tokens. One turn: an independent prompt."""
-
-    turns: tuple[tuple[int, ...], ...]
-    max_tokens: int
-
-
 @dataclass
 class LoadResult:
     """Totals over a run. ``computed_tokens``: target tokens computed and kept (scheduled minus rejected drafts,
     every step); ``distinct_tokens``: the distinct prefixes among the requests' computed tokens (each request's
-    first ``num_computed_tokens`` at finish), what a target with an unbounded token-exact cache would compute."""
+    first ``num_computed_tokens`` at finish), what a target with an unbounded token-exact cache would compute.
+    ``turn_recompute_*``: over the turns after a conversation's first, the target tokens a turn computes beyond
+    what is new to it (its tokens past the previous turn's computed ones), nearest-rank percentiles. The cache
+    counts are ``census.CacheCensus``'s."""
 
     requests: int = 0
     steps: int = 0
     preemptions: int = 0
     computed_tokens: int = 0
     distinct_tokens: int = 0
+    later_turns: int = 0
+    turn_recompute_p50: int = 0
+    turn_recompute_p99: int = 0
     peak_running: int = 0
     running_summed: int = 0  # requests running (admitted, holding KV), summed over steps
-    peak_drafter_blocks: int = 0
+    peak_drafter_blocks: int = 0  # distinct drafter blocks the requests hold (shared ones once)
+    drafter_blocks_summed: int = 0
     prefix_hit_tokens: int = 0
+    target_evictions: int = 0
+    drafter_evictions: int = 0
+    unheld_drafter_blocks_end: int = 0
+    unheld_drafter_blocks_peak: int = 0
+    conversations_cached_end: int = 0
+    conversations_cached_at_peak: int = 0
+    # max over steps of unheld hashed drafter blocks - R x conversations with cached target blocks
+    share_excess_peak: int = 0
 
     @property
     def mean_running(self) -> float:
         return self.running_summed / self.steps if self.steps else 0.0
+
+    @property
+    def mean_drafter_blocks(self) -> float:
+        return self.drafter_blocks_summed / self.steps if self.steps else 0.0
 
     @property
     def recomputed_tokens(self) -> int:
@@ -58,26 +73,43 @@ class LoadResult:
         return self.computed_tokens - self.distinct_tokens
 
 
+@dataclass
+class Live:
+    """A request in flight: its generator, conversation and turn, the target tokens computed for it so far and
+    the tokens of its prompt an earlier turn of its conversation computed."""
+
+    request: Request
+    rng: random.Random
+    conversation: int
+    turn: int
+    known: int
+    computed: int = 0
+
+
 def run_load(
     config: VllmConfig, deployment: Deployment, ring: bool, conversations: list[Conversation], seed: int = 0
 ) -> LoadResult:
     """Every conversation's first turn queued at once, each later turn added when the one before finishes; runs
     until all have finished; ``PoolTooSmall`` if a step schedules nothing."""
     scheduler = make_scheduler(config, deployment, ring)
+    manager = scheduler.kv_cache_manager
+    census = CacheCensus(manager.block_pool, len(manager.kv_cache_config.kv_cache_groups) - 1,
+                         deployment.drafter.plan.ring_blocks)  # fmt: skip
     hasher = request_block_hasher(config, deployment)
     drafts = deployment.drafter.num_speculative_tokens
-    live: dict[str, tuple[Request, random.Random, int, int]] = {}  # request, its generator, conversation, turn
+    live: dict[str, Live] = {}
     finished: list[Request] = []
+    turn_recompute: list[int] = []
 
-    def submit(conversation: int, turn: int, history: list[int]) -> None:
+    def submit(conversation: int, turn: int, history: list[int], known: int) -> None:
         rid = f"c{conversation}t{turn}"
         spec = conversations[conversation]
-        request = make_request(rid, [*history, *spec.turns[turn]], spec.max_tokens, hasher)
-        live[rid] = (request, random.Random(f"{seed}/{rid}"), conversation, turn)
+        request = make_request(rid, [*history, *spec.turns[turn]], spec.max_tokens[turn], hasher)
+        live[rid] = Live(request, random.Random(f"{seed}/{rid}"), conversation, turn, known)
         scheduler.add_request(request)
 
     for index in range(len(conversations)):
-        submit(index, 0, [])
+        submit(index, 0, [], 0)
     result = LoadResult()
     while live:
         output = scheduler.schedule()
@@ -89,28 +121,50 @@ def run_load(
         result.prefix_hit_tokens += admitted_hits(output)
         result.peak_running = max(result.peak_running, len(scheduler.running))
         result.running_summed += len(scheduler.running)
-        result.peak_drafter_blocks = max(result.peak_drafter_blocks, drafter_blocks_in_use(scheduler.kv_cache_manager))
+        held = drafter_blocks_in_use(manager)
+        result.peak_drafter_blocks = max(result.peak_drafter_blocks, held)
+        result.drafter_blocks_summed += held
         ids = list(output.num_scheduled_tokens)
         sampled = []
         for rid in ids:
             drafted = len(output.scheduled_spec_decode_tokens.get(rid, ()))
-            tokens = fake_sample(live[rid][0], drafted, live[rid][1])
+            tokens = fake_sample(live[rid].request, drafted, live[rid].rng)
             rejected = drafted - (len(tokens) - 1) if drafted else 0
-            result.computed_tokens += output.num_scheduled_tokens[rid] - rejected
+            live[rid].computed += output.num_scheduled_tokens[rid] - rejected
             sampled.append(tokens)
         scheduler.update_from_output(output, runner_output(ids, sampled))
         scheduler.update_draft_token_ids(DraftTokenIds(ids, [[1] * drafts for _ in ids]))
         for rid in ids:
-            request, _, conversation, turn = live[rid]
-            if not request.is_finished():
+            entry = live[rid]
+            census.own(entry.request, entry.conversation)
+            if not entry.request.is_finished():
                 continue
             del live[rid]
+            request = entry.request
             finished.append(request)
-            if turn + 1 < len(conversations[conversation].turns):
-                submit(conversation, turn + 1, list(request.all_token_ids))
+            result.computed_tokens += entry.computed
+            if entry.turn:
+                turn_recompute.append(entry.computed - (request.num_computed_tokens - entry.known))
+            if entry.turn + 1 < len(conversations[entry.conversation].turns):
+                history = list(request.all_token_ids)
+                submit(entry.conversation, entry.turn + 1, history, min(request.num_computed_tokens, len(history)))
+        census.observe()
     result.requests = len(finished)
     result.distinct_tokens = distinct_prefixes([computed_sequence(r, i) for i, r in enumerate(finished)])
+    result.later_turns = len(turn_recompute)
+    result.turn_recompute_p50, result.turn_recompute_p99 = (nearest_rank(turn_recompute, q) for q in (50, 99))
+    result.target_evictions, result.drafter_evictions = census.evictions["target"], census.evictions["drafter"]
+    result.unheld_drafter_blocks_end, result.conversations_cached_end = census.observe()
+    result.unheld_drafter_blocks_peak = census.peak_unheld
+    result.conversations_cached_at_peak = census.conversations_at_peak
+    result.share_excess_peak = census.peak_excess
     return result
+
+
+def nearest_rank(values: list[int], percent: int) -> int:
+    """The nearest-rank percentile (a value of the list; 0 for an empty list)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(percent / 100 * len(ordered)) - 1)] if ordered else 0
 
 
 def admitted_hits(output: SchedulerOutput) -> int:

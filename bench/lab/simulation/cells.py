@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One cell of ``ringkv bench load`` (a workload, a drafter mode, a pool) and the search for the base pool.
+
+A cell builds everything it needs from its ``Cell`` (the workload from the seed, vLLM's config, a fresh
+scheduler), so it gives the same row in any process; ``bench/load.py`` runs each in a process of its own.
+
+The base pool is the smallest pool where the stock drafter **neither preempts nor evicts**: no request is
+preempted and vLLM's ``BlockPool`` never reuses a block that still carries a prefix-cache hash
+(``census.CacheCensus.evictions``, target and drafter groups), so every block any request hashed stays cached to
+the end. ``search_base_pool`` doubles a pool until stock is roomy, then bisects between the last pool that was not
+and the first that was (assuming roominess is monotone in the pool; the smallest roomy pool's neighbour below is
+a probe that was not roomy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from ringkv.kernels.testing import ISSUE_55800, DrafterShape
+
+from .admission import Deployment
+from .load import PoolTooSmall, run_load
+from .scheduler_run import build_vllm_config
+from .workloads import WORKLOADS, Conversation, conversations
+
+# mode -> (drafter on the ring, the ring's blocks in the prefix cache)
+MODES = {"stock": (False, False), "ring-today": (True, False), "ring-cached": (True, True)}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The deployment and the workload every cell of one table shares. ``conversations``: 0 takes the
+    workload's own count, a smaller number its first conversations (a tiny run)."""
+
+    workload: str = "chat"
+    window: int = 2048
+    drafter_kv_block_size: int = 16
+    num_speculative_tokens: int = 7
+    target_groups: int = 6
+    target_kv_block_size: int = 2304
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 64
+    conversations: int = 0
+    seed: int = 0
+
+    @property
+    def drafter(self) -> DrafterShape:
+        return replace(ISSUE_55800, window=self.window, kv_block_size=self.drafter_kv_block_size,
+                       num_speculative_tokens=self.num_speculative_tokens)  # fmt: skip
+
+    def conversations_list(self) -> list[Conversation]:
+        drawn = conversations(WORKLOADS[self.workload], self.seed)
+        return drawn[: self.conversations] if self.conversations else drawn
+
+    def deployment(self, pool_blocks: int, cache_ring: bool) -> Deployment:
+        longest = max(c.longest_request for c in self.conversations_list())
+        drafter = self.drafter
+        return Deployment(
+            pool_blocks=pool_blocks, target_groups=self.target_groups, target_kv_block_size=self.target_kv_block_size,
+            drafter=drafter, max_model_len=longest + 2 * drafter.lookahead,  # room for drafts verified past the end
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs, prefix_caching=True,
+            cache_ring=cache_ring,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Cell:
+    shape: Shape
+    mode: str
+    pool_blocks: int
+
+
+def run_cell(cell: Cell) -> dict[str, Any]:
+    """The cell's row: its coordinates, ``LoadResult``'s counts and the derived columns; ``pool_too_small``
+    (and nothing else measured) when a step scheduled nothing."""
+    ring, cache_ring = MODES[cell.mode]
+    setup = cell.shape.deployment(cell.pool_blocks, cache_ring)
+    row: dict[str, Any] = {"workload": cell.shape.workload, "mode": cell.mode, "pool_blocks": cell.pool_blocks,
+                           "ring_blocks": setup.drafter.plan.ring_blocks}  # fmt: skip
+    try:
+        result = run_load(build_vllm_config(setup), setup, ring, cell.shape.conversations_list(), cell.shape.seed)
+    except PoolTooSmall as error:
+        return {**row, "pool_too_small": str(error)}
+    return {**row, **asdict(result), "recomputed_tokens": result.recomputed_tokens,
+            "mean_running": result.mean_running, "mean_drafter_blocks": result.mean_drafter_blocks}  # fmt: skip
+
+
+def roomy(row: dict[str, Any]) -> bool:
+    """Neither preempted nor evicted (and ran)."""
+    return "pool_too_small" not in row and not (
+        row["preemptions"] or row["target_evictions"] or row["drafter_evictions"]
+    )
+
+
+def search_base_pool(shape: Shape, start: int = 256) -> tuple[int, list[dict[str, Any]]]:
+    """The smallest pool where stock is ``roomy``, and every probe's row (pool order)."""
+    probes: dict[int, dict[str, Any]] = {}
+
+    def probe(pool: int) -> bool:
+        probes[pool] = run_cell(Cell(shape, "stock", pool))
+        return roomy(probes[pool])
+
+    low, high = 0, start  # low: not roomy (0: none tried), high: being tried
+    while not probe(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if probe(middle) else (middle, high)
+    return high, [probes[pool] for pool in sorted(probes)]
