@@ -89,8 +89,8 @@ class Search:
         below = next(p for p in reversed(self.probes) if p["pool_blocks"] < self.base_pool)
         why = (
             "no request ran" if "pool_too_small" in below
-            else f"{below['preemptions']} preemptions, {below['target_evictions'] + below['drafter_evictions']} "
-                 "cache entries evicted"
+            else f"preemptions {below['preemptions']}, evicted cache entries "
+                 f"{below['target_evictions'] + below['drafter_evictions']}"
         )  # fmt: skip
         return (f"base pool {self.base_pool:,} blocks: the smallest where stock neither preempts nor evicts "
                 f"(doubling, then bisection: {len(self.probes)} stock runs; at {below['pool_blocks']:,}: "
