@@ -107,8 +107,9 @@ def drafter_blocks_held(manager: KVCacheManager, request_id: str) -> int:
     """Distinct physical (non-null) blocks the drafter group holds for a request."""
     row = drafter_manager(manager).req_to_blocks.get(request_id, [])
     held = {block.block_id for block in row if not block.is_null}
+    # a ring's column is None until it is claimed
     ring = getattr(drafter_manager(manager), "rings", {}).get(request_id, [])
-    return len(held | {block.block_id for block in ring})
+    return len(held | {block.block_id for block in ring if block is not None})
 
 
 def drafter_blocks_in_use(manager: KVCacheManager) -> int:
@@ -116,7 +117,7 @@ def drafter_blocks_in_use(manager: KVCacheManager) -> int:
     requests share through the prefix cache counts once)."""
     group = drafter_manager(manager)
     rows = [*group.req_to_blocks.values(), *getattr(group, "rings", {}).values()]
-    return len({block.block_id for row in rows for block in row if not block.is_null})
+    return len({block.block_id for row in rows for block in row if block is not None and not block.is_null})
 
 
 def admits(deployment: Deployment, ring: bool, num_tokens: int) -> bool:
