@@ -26,9 +26,9 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 pytestmark = pytest.mark.vllm
 
 # The chat workload's first 3 conversations, W 64 (R = 6), one 64-token target group: a search of ~14 stock runs
-# and 4 cells (stock and ring-today at the base pool, twice), each cell in a process of its own.
+# and 6 cells (the three modes at the base pool, twice), each cell in a process of its own.
 TINY = LoadOptions(
-    workload=("chat",), mode=("stock", "ring-today"), pool_multiple=(1.0,), window=64, target_groups=1,
+    workload=("chat",), pool_multiple=(1.0,), window=64, target_groups=1,
     target_kv_block_size=64, max_num_batched_tokens=1024, max_num_seqs=8, conversations=3,
 )  # fmt: skip
 
@@ -42,7 +42,7 @@ def run(tmp_path_factory) -> tuple[str, dict[str, dict]]:
     text = (out / "load_w64_cpu.txt").read_text()
     assert command in text and "commit" in text and (out / "load_w64.png").stat().st_size > 10_000
     rows = [json.loads(line) for line in (out / "load_w64.jsonl").read_text().splitlines()]
-    assert [row["repeat"] for row in rows] == [1, 1, 2, 2]
+    assert [row["repeat"] for row in rows] == [1, 1, 1, 2, 2, 2]
     return text, {row["mode"]: row for row in rows if row["repeat"] == 1}
 
 
@@ -82,6 +82,15 @@ def test_ring_today_hits_no_more_than_stock_where_neither_is_pressed(run):
     assert ring["recomputed_tokens"] >= stock["recomputed_tokens"] > 0
     assert ring["turn_recompute_p50"] >= stock["turn_recompute_p50"]
     assert ring["peak_drafter_blocks"] < stock["peak_drafter_blocks"]
+
+
+def test_ring_cached_keeps_its_windows_in_the_cache(run):
+    """The cached ring hashes the windows of freed requests (fewer blocks than stock's whole histories) and hits
+    at least as far as ring-today."""
+    _, rows = run
+    stock, today, cached = rows["stock"], rows["ring-today"], rows["ring-cached"]
+    assert 0 < cached["unheld_drafter_blocks_end"] < stock["unheld_drafter_blocks_end"]
+    assert cached["prefix_hit_tokens"] >= today["prefix_hit_tokens"]
 
 
 def test_differing_repeats_names_the_cell():
