@@ -146,11 +146,11 @@ def measure(options: LoadOptions, on_cell: Callable[[], None] | None = None) -> 
 
 
 def differing_repeats(rows: list[Row]) -> list[str]:
-    """The cells whose rows differ between repeats (every measured column), as ``workload/mode/pool``."""
+    """The cells whose rows differ between repeats (every measured column), as ``workload/mode/pool (multiple)``."""
     first: dict[tuple, Row] = {}
     differ = []
     for row in rows:
-        key = (row["workload"], row["mode"], row["pool_blocks"])
+        key = (row["workload"], row["mode"], f"{row['pool_blocks']} ({row['pool_multiple']:g})")
         measured = {k: v for k, v in row.items() if k != "repeat"}
         if key in first and first[key] != measured:
             differ.append("/".join(map(str, key)))

@@ -94,9 +94,11 @@ def test_ring_cached_keeps_its_windows_in_the_cache(run):
 
 
 def test_differing_repeats_names_the_cell():
-    row = {"workload": "chat", "mode": "stock", "pool_blocks": 10, "steps": 5}
-    assert differing_repeats([{**row, "repeat": 1}, {**row, "repeat": 2}]) == []
-    assert differing_repeats([{**row, "repeat": 1}, {**row, "repeat": 2, "steps": 6}]) == ["chat/stock/10"]
+    """Two multiples rounding to one pool are two cells."""
+    row = {"workload": "chat", "mode": "stock", "pool_blocks": 10, "pool_multiple": 0.5, "steps": 5}
+    twin = {**row, "pool_multiple": 0.51}
+    assert differing_repeats([{**r, "repeat": k} for k in (1, 2) for r in (row, twin)]) == []
+    assert differing_repeats([{**row, "repeat": 1}, {**row, "repeat": 2, "steps": 6}]) == ["chat/stock/10 (0.5)"]
 
 
 def test_the_census_counts_evictions_the_share_and_cached_conversations():
