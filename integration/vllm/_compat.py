@@ -83,7 +83,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, resolve_block_hashes
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_group_id, resolve_block_hashes
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import SlidingWindowSpec, replace_as
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
@@ -131,6 +131,15 @@ def hybrid_coordinator_class() -> type:
     from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
 
     return HybridKVCacheCoordinator
+
+
+def block_pool_class() -> type:
+    """vLLM's ``BlockPool``: ``get_new_blocks(num_blocks)`` pops the free queue's front (``free_block_queue``:
+    ``fake_free_list_head`` / ``_tail``, ``next_free_block``, ``remove``, ``prepend_n``) and drops a popped block's
+    hash; ``_maybe_evict_cached_block`` drops one's hash (0.32 to 0.34)."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    return BlockPool
 
 
 def kv_cache_manager_class() -> type:
@@ -228,6 +237,7 @@ __all__ = [
     "VllmConfig",
     "alias_attention_backend",
     "attention_backend_path",
+    "block_pool_class",
     "cpu_attention_classes",
     "cpu_platform_class",
     "dflash_speculator_class",
@@ -235,6 +245,7 @@ __all__ = [
     "ensure_builtin_kv_specs",
     "get_current_vllm_config_or_none",
     "get_forward_context",
+    "get_group_id",
     "hybrid_coordinator_class",
     "init_logger",
     "is_draft_spec",

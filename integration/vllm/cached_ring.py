@@ -27,6 +27,7 @@ or preempted; ``KVCacheManager.free``, wrapped in ``prefix_cache.py``), and only
   dropped from them): rejected draft rows and the drafter's own query rows are written at
   positions at or past it (**rejected rows**), and under async scheduling the in-flight steps' tokens (at most the
   lookahead each, ``num_output_placeholders`` steps) are not written yet;
+- no cached copy of ``j`` exists already (a turn that recomputed past an earlier turn's window would duplicate it);
 - every scheduler step the request took part in ran the drafter: vLLM skips the drafter, and so the context K/V
   store, for a whole batch whose longest sequence is within the lookahead of the drafter's max length (the
   speculative config's ``max_model_len`` where set, ``RingSWASpec.drafter_max_len``; else the engine's)
@@ -34,8 +35,14 @@ or preempted; ``KVCacheManager.free``, wrapped in ``prefix_cache.py``), and only
 So a freed request leaves at most R hashed blocks, its last window: what its next turn, a sibling branch or its
 own resumption adopts; and the windows of its own prefix below it (its earlier turns', its own before a
 preemption) lose their hashes (``superseded_windows``), so the ring's share of the cache is one window per
-conversation branch. The manager frees them before the target's blocks and oldest first, so under pressure vLLM
-evicts a window's oldest block (which the next turn is least likely to need) before the target's history.
+conversation branch.
+
+**Evicted first.** A window block saves at most a window of recompute for one conversation, and only while that
+conversation's target blocks stay cached; a target block serves every later hit of its prefix. So no cached target
+block is evicted while an unheld window block is cached: ``evict_windows_first`` (wrapping vLLM's
+``BlockPool.get_new_blocks``) drops, oldest first, the hashes of as many window blocks as the allocation would
+otherwise take cached target blocks, and moves them to the front of the free queue. With room to spare windows stay
+as long as vLLM's LRU keeps them; under pressure the cache holds what the rebuild cap alone would leave.
 
 **Never overwritten.** A column about to take the next logical block while it holds a block another request also
 holds (an adopted block two requests share) gets a fresh block and releases the shared one; a block this request
@@ -48,13 +55,14 @@ still read the column's old block: it is dead to that step too (``ring_geometry`
 from __future__ import annotations
 
 import math
-from collections.abc import Container, Sequence
+import weakref
+from collections.abc import Callable, Container, Sequence
 from contextvars import ContextVar
 from typing import Any
 
 from ringkv.kernels.ring_geometry import first_visible_position
 
-from ._compat import KVCacheBlock, resolve_block_hashes
+from ._compat import KVCacheBlock, get_group_id, resolve_block_hashes
 from .errors import RingConfigError
 
 # the number of tokens of the request whose hit the coordinator is looking up (its max_cache_hit_length + 1)
@@ -144,10 +152,13 @@ def window_to_hash(manager: Any, request: Any, drafter_max_len: int) -> set[int]
     written = committed - getattr(request, "num_output_placeholders", 0) * lookahead
     row = manager.req_to_blocks.get(request_id, [])
     held = zip(manager.rings.get(request_id, []), manager.holds.get(request_id, []), strict=True)
+    hashes = resolve_block_hashes(request.block_hashes, manager.block_pool.hash_block_size, manager.block_size)
     return {
         j for block, j in held
         if block is not None and 0 <= j < len(row) and row[j] is block and block.block_hash is None
         and (j + 1) * manager.block_size <= written
+        # a copy an earlier request (a turn this one recomputed past) left cached already serves the block
+        and manager.block_pool.get_cached_block(hashes[j], [manager.kv_cache_group_id]) is None
     }  # fmt: skip
 
 
@@ -159,3 +170,56 @@ def superseded_windows(manager: Any, request: Any, below: int) -> list[KVCacheBl
     found = (manager.block_pool.get_cached_block(hashes[j], [manager.kv_cache_group_id])
              for j in range(min(below, len(hashes))))  # fmt: skip
     return [blocks[0] for blocks in found if blocks is not None and blocks[0].ref_cnt == 0]
+
+
+# per BlockPool: the freed, hashed ring blocks (block id -> (block, its group)), oldest first; an entry goes stale
+# when a request adopts the block or vLLM reuses it (checked when read)
+_WINDOWS: weakref.WeakKeyDictionary[Any, dict[int, tuple[KVCacheBlock, int]]] = weakref.WeakKeyDictionary()
+
+
+def keep_windows(block_pool: Any, blocks: Sequence[KVCacheBlock], group_id: int) -> None:
+    """Record freed ring blocks that kept their hash (``release``), newest last."""
+    windows = _WINDOWS.setdefault(block_pool, {})
+    for block in blocks:
+        if block.ref_cnt == 0 and block.block_hash is not None:
+            windows.pop(block.block_id, None)
+            windows[block.block_id] = (block, group_id)
+
+
+def is_window(windows: dict[int, tuple[KVCacheBlock, int]], block: KVCacheBlock) -> bool:
+    entry = windows.get(block.block_id)
+    return (entry is not None and entry[0] is block and block.ref_cnt == 0 and block.block_hash is not None
+            and get_group_id(block.block_hash) == entry[1])  # fmt: skip
+
+
+def evict_windows_first(original: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's ``BlockPool.get_new_blocks(num_blocks)`` taking unheld window blocks before any cached target block
+    (module docstring): it counts the cached non-window blocks among the ``num_blocks`` the free queue would hand
+    out, and moves that many window blocks, oldest first and unhashed, to the queue's front."""
+
+    def get_new_blocks(self: Any, num_blocks: int) -> list[KVCacheBlock]:
+        windows = _WINDOWS.get(self)
+        if windows:
+            queue, node = self.free_block_queue, self.free_block_queue.fake_free_list_head.next_free_block
+            front, doomed = [], 0  # what the queue would hand out, less its cached target blocks; how many those are
+            while len(front) + doomed < num_blocks and node is not None and node is not queue.fake_free_list_tail:
+                if node.block_hash is None or is_window(windows, node):
+                    front.append(node)
+                else:
+                    doomed += 1
+                node = node.next_free_block
+            spared, handed_out = [], {block.block_id for block in front}
+            for block_id in list(windows):
+                if len(spared) == doomed:
+                    break
+                block = windows[block_id][0]
+                if block_id not in handed_out and is_window(windows, block):
+                    spared.append(block)
+                del windows[block_id]
+            if spared:  # the front's blocks and the spared windows first, in that order
+                for block in front + spared:
+                    queue.remove(block)
+                queue.prepend_n(front + spared)
+        return original(self, num_blocks)
+
+    return get_new_blocks

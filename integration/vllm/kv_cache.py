@@ -30,7 +30,7 @@ import triton
 from ringkv.kernels.ring_geometry import RingPlan, first_visible_position, ring_block
 
 from ._compat import KVCacheBlock, SlidingWindowManager, SlidingWindowSpec, VllmConfig, replace_as
-from .cached_ring import StepLengths, ring_hit, superseded_windows, window_to_hash
+from .cached_ring import StepLengths, keep_windows, ring_hit, superseded_windows, window_to_hash
 from .errors import RingConfigError
 from .names import UNPLANNED
 
@@ -359,6 +359,10 @@ class RingSWAManager(SlidingWindowManager):
                     num_full_blocks=last + 1, block_size=self.block_size, kv_cache_group_id=self.kv_cache_group_id,
                     block_mask=[j in hashable for j in range(first, last + 1)],
                 )  # fmt: skip
+            ring = [block for block in self.rings[request_id] if block is not None]
+            self.free(request_id)
+            keep_windows(self.block_pool, ring, self.kv_cache_group_id)
+            return
         self.free(request_id)
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:

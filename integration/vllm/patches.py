@@ -22,6 +22,7 @@ from packaging.version import Version
 
 from . import _compat
 from ._compat import AttentionBackendEnum, KVCacheSpecRegistry
+from .cached_ring import evict_windows_first
 from .kv_cache import RingSWAManager, RingSWASpec
 from .names import BACKEND_PATH, CPU_SLIDING_BACKEND_PATH
 from .planning import wrap_get_kv_cache_spec
@@ -163,7 +164,13 @@ PATCHES: tuple[Patch, ...] = (
     Wrap(
         owner_name="KVCacheManager", owner=_compat.kv_cache_manager_class, attribute="free", wrapper=wrap_free,
         why="Hashes a freed request's ring window (the blocks a later turn adopts) and frees it before the target's "
-        "blocks, so it is evicted first.",
+        "blocks.",
+    ),
+    Wrap(
+        owner_name="BlockPool", owner=_compat.block_pool_class, attribute="get_new_blocks",
+        wrapper=evict_windows_first,
+        why="Evicts cached ring windows before any cached target block (a window saves one conversation at most a "
+        "window of recompute).",
     ),
     Wrap(
         owner_name="DFlashSpeculator", owner=_compat.dflash_speculator_class, attribute="_precompute_context_kv",

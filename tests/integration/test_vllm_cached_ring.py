@@ -121,6 +121,7 @@ def drive(
         return running[:1] if abort_at is not None and step == abort_at else []
 
     audited_accounting(ring, record["accounting"])
+    record["target_evicted_beside_windows"] = audited_eviction(ring.block_pool, audit.group)
     traffic.submit(sched)
     steps = run(sched, audit, traffic.submit, random.Random(seed), on_step=on_step, abort=abort)
     return sched, ring, audit, record, steps
@@ -157,6 +158,25 @@ def audited_accounting(ring: RingSWAManager, mismatches: list) -> None:
     ring.allocate_new_blocks = allocate_new_blocks
 
 
+def audited_eviction(pool, ring_group: int) -> list[int]:
+    """Count allocations that evicted a cached target block while an unheld cached ring block stayed cached."""
+    get_new_blocks, offences = pool.get_new_blocks, []
+
+    def checked(num_blocks: int):
+        before = {block.block_id: block.block_hash for block in pool.blocks if block.ref_cnt == 0}
+        taken = get_new_blocks(num_blocks)
+        evicted_target = [b for b in taken if before.get(b.block_id) is not None
+                          and get_group_id(before[b.block_id]) != ring_group]  # fmt: skip
+        windows_left = [b for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None
+                        and get_group_id(b.block_hash) == ring_group]  # fmt: skip
+        if evicted_target and windows_left:
+            offences.append(len(evicted_target))
+        return taken
+
+    pool.get_new_blocks = checked
+    return offences
+
+
 def unheld_hashed_ring_blocks(sched) -> int:
     group = len(sched.kv_cache_config.kv_cache_groups) - 1
     pool = sched.kv_cache_manager.block_pool
@@ -169,7 +189,7 @@ def test_every_read_is_of_its_own_position_and_prefix(pool_blocks):
     sched, ring, audit, record, _ = drive(pool_blocks, cache_ring=True, abort_at=30)
     assert audit.reads_checked > 1000 and audit.hashes_checked > 0
     assert record["adopted"] > 0, "no ring block was adopted: the scenario does not exercise the cache"
-    assert record["accounting"] == []
+    assert record["accounting"] == [] and record["target_evicted_beside_windows"] == []
     assert record["peak_held"] <= RING_BLOCKS
     if pool_blocks == 90:
         assert record["preemptions"] > 0
