@@ -177,6 +177,13 @@ def audited_eviction(pool, ring_group: int) -> list[int]:
     return offences
 
 
+def ring_hashes(sched) -> list[bytes]:
+    """The hashes of the ring group's cached blocks (one per block)."""
+    group = len(sched.kv_cache_config.kv_cache_groups) - 1
+    return [block.block_hash for block in sched.kv_cache_manager.block_pool.blocks
+            if block.block_hash is not None and get_group_id(block.block_hash) == group]  # fmt: skip
+
+
 def unheld_hashed_ring_blocks(sched) -> int:
     group = len(sched.kv_cache_config.kv_cache_groups) - 1
     pool = sched.kv_cache_manager.block_pool
@@ -197,6 +204,8 @@ def test_every_read_is_of_its_own_position_and_prefix(pool_blocks):
     assert pool.get_num_free_blocks() == pool_blocks - 1
     assert all(block.ref_cnt == 0 for block in pool.blocks if not block.is_null)
     assert not ring.rings and not ring.holds and not ring.steps.peaks
+    hashes = ring_hashes(sched)
+    assert hashes and len(set(hashes)) == len(hashes), "a window block cached twice under one hash"
 
 
 def test_cached_rings_hit_more_than_the_rebuild_cap_and_keep_a_bounded_share():
