@@ -65,9 +65,10 @@ class RingAudit:
         for new in output.scheduled_new_reqs:
             self.rows[new.req_id] = list(new.block_ids[self.group])
         cached = output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", ())  # 0.34 sends a resumed request as a new one
         for index, request_id in enumerate(cached.req_ids):
             ids = cached.new_block_ids[index]
-            if request_id in cached.resumed_req_ids:
+            if request_id in resumed:
                 self.rows[request_id] = list(ids[self.group]) if ids is not None else []
             elif ids is not None:
                 self.rows[request_id].extend(ids[self.group])
