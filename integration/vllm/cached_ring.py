@@ -141,8 +141,9 @@ class StepLengths:
 
 
 def window_to_hash(manager: Any, request: Any, drafter_max_len: int) -> set[int]:
-    """The logical blocks of ``request``'s ring (``manager``: its ``RingSWAManager``) that may get their hash as it
-    is freed: held by their column, named by the row, wholly committed and written (module docstring)."""
+    """The logical blocks of ``request``'s ring (``manager``: its ``RingSWAManager``) whose K/V a later request may
+    adopt as it is freed: held by their column, named by the row, wholly committed and written (module docstring);
+    those already hashed (adopted) aside."""
     request_id = request.request_id
     lookahead = manager.plan.lookahead
     if manager.steps.peak(request_id) + lookahead > drafter_max_len:
@@ -152,14 +153,19 @@ def window_to_hash(manager: Any, request: Any, drafter_max_len: int) -> set[int]
     written = committed - getattr(request, "num_output_placeholders", 0) * lookahead
     row = manager.req_to_blocks.get(request_id, [])
     held = zip(manager.rings.get(request_id, []), manager.holds.get(request_id, []), strict=True)
-    hashes = resolve_block_hashes(request.block_hashes, manager.block_pool.hash_block_size, manager.block_size)
     return {
         j for block, j in held
         if block is not None and 0 <= j < len(row) and row[j] is block and block.block_hash is None
         and (j + 1) * manager.block_size <= written
-        # a copy an earlier request (a turn this one recomputed past) left cached already serves the block
-        and manager.block_pool.get_cached_block(hashes[j], [manager.kv_cache_group_id]) is None
     }  # fmt: skip
+
+
+def uncached(manager: Any, request: Any, window: set[int]) -> set[int]:
+    """The blocks of ``window`` no cached copy serves yet (a turn that recomputed past an earlier turn's window holds
+    blocks that window left cached: hashing them again would duplicate it)."""
+    hashes = resolve_block_hashes(request.block_hashes, manager.block_pool.hash_block_size, manager.block_size)
+    pool, group = manager.block_pool, [manager.kv_cache_group_id]
+    return {j for j in window if pool.get_cached_block(hashes[j], group) is None}
 
 
 def superseded_windows(manager: Any, request: Any, below: int) -> list[KVCacheBlock]:

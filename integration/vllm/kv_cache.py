@@ -30,7 +30,7 @@ import triton
 from ringkv.kernels.ring_geometry import RingPlan, first_visible_position, ring_block
 
 from ._compat import KVCacheBlock, SlidingWindowManager, SlidingWindowSpec, VllmConfig, replace_as
-from .cached_ring import StepLengths, keep_windows, ring_hit, superseded_windows, window_to_hash
+from .cached_ring import StepLengths, keep_windows, ring_hit, superseded_windows, uncached, window_to_hash
 from .errors import RingConfigError
 from .names import UNPLANNED
 
@@ -349,9 +349,10 @@ class RingSWAManager(SlidingWindowManager):
         request_id = request.request_id
         if self.enable_caching and self.kv_cache_spec.cache_ring and request_id in self.rings:
             drafter_max_len = min(max_model_len, self.kv_cache_spec.drafter_max_len or max_model_len)
-            hashable = window_to_hash(self, request, drafter_max_len)
-            for block in superseded_windows(self, request, min(hashable, default=len(self.req_to_blocks[request_id]))):
+            window = window_to_hash(self, request, drafter_max_len)
+            for block in superseded_windows(self, request, min(window, default=len(self.req_to_blocks[request_id]))):
                 self.block_pool._maybe_evict_cached_block(block)
+            hashable = uncached(self, request, window)
             if hashable:
                 first, last = min(hashable), max(hashable)
                 self.block_pool.cache_full_blocks(
