@@ -287,11 +287,13 @@ class RingSWAManager(SlidingWindowManager):
         num_external_computed_tokens: int,
         record_for_zeroing: bool = True,
     ) -> None:
-        if num_external_computed_tokens > 0:  # planning.check_ring_config refuses KV connectors at startup
-            raise RingConfigError(
-                f"ringkv: {num_external_computed_tokens} KV-connector tokens for request {request_id} carry no ring "
-                "K/V; remove --kv-transfer-config"
-            )
+        """A KV connector's hit (capped by ``connectors.external_hit_cap``: no connector moves a ring, so the hit
+        stops where the first query still sees) is dead to the ring: null placeholders up to its last whole block,
+        after the local hit's entries."""
+        del record_for_zeroing
+        row = self.req_to_blocks[request_id]
+        whole = (num_local_computed_tokens + num_external_computed_tokens) // self.block_size
+        row.extend([self._null_block] * (whole - len(row)))
 
     def add_local_computed_blocks(
         self,
