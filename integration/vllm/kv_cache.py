@@ -232,9 +232,12 @@ class RingSWAManager(SlidingWindowManager):
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
     ) -> int:
-        # admission (capped) and execution (uncapped) ask the same question: the same answer
-        del total_computed_tokens, apply_admission_cap, prefill_end
-        self.check_lookahead(num_tokens, num_tokens_main_model)
+        # admission (capped) and execution (uncapped) ask the same question: the same answer. Only execution
+        # plans writes; a capped count may reserve past the lookahead (vLLM's _request_remaining_blocks adds
+        # 1 + num_spec_tokens + num_lookahead_tokens for a prefill waiting on a KV connector's async load)
+        del total_computed_tokens, prefill_end
+        if not apply_admission_cap:
+            self.check_lookahead(num_tokens, num_tokens_main_model)
         hit = self.hit_blocks(new_computed_blocks, num_local_computed_tokens) if new_computed_blocks else ()
         return self.plan_step(request_id, num_tokens, num_tokens_main_model, hit).cost
 

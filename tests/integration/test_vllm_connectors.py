@@ -144,3 +144,15 @@ def test_an_external_hit_leaves_the_ring_row_position_indexed_and_holding_r_bloc
     assert len(live) == len(ring.rings["r"]) == ring_spec.ring_blocks
     kv.free(req)
     assert kv.block_pool.get_num_free_blocks() == free
+
+
+def test_the_reservation_for_a_prefill_waiting_on_an_async_load_counts_the_ring():
+    """vLLM reserves, for a prefill waiting on a connector's async load, what it still needs at ``N + 1 +
+    num_spec_tokens + num_lookahead_tokens`` slots (``Scheduler._request_remaining_blocks``, a capped count): past
+    the ring's planned lookahead, yet only a count; the ring answers R less what it holds."""
+    register()
+    kv = KVCacheManager(kv_cache_config(), max_model_len=4096, scheduler_block_size=BLOCK, hash_block_size=BLOCK,
+                        max_in_flight_tokens=4096, enable_caching=False)  # fmt: skip
+    ring = kv.coordinator.single_type_managers[1]
+    need = ring.get_num_blocks_to_allocate("r", 400 + 1 + 7 + LOOKAHEAD, (), 0, 0, 400, apply_admission_cap=True)
+    assert need == ring.ring_blocks
