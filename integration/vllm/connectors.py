@@ -5,7 +5,9 @@ A ring group keeps no K/V a connector could move (its blocks are overwritten in 
 ``ring[j mod R]``, so most entries of a long row name blocks that now hold later positions). What a connector
 may do is what a prefix hit does (``prefix_cache``): give the target's groups a prefix, at most
 ``N - (W - 1)`` tokens of a request of N, so that the target's recompute of the rest rebuilds every ring.
-Two things make a connector safe, both decided in its own source:
+Two things make a connector safe, both decided in its own source, and the ring's windows must stay out of vLLM's
+prefix cache (``RINGKV_RING_PREFIX_CACHE=0``: with it on, the ring group is prefix-cacheable and connectors would
+move it by row position; ``check_connector`` refuses that naming the switch):
 
 - it never stores or loads a ring group: the ring's spec is not ``prefix_cacheable``, and vLLM's
   ``OffloadingConnector`` offloads only ``kv_cache_config.prefix_cacheable_group_ids`` (``get_offloading_group_ids``,
@@ -25,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ringkv.kernels.ring_geometry import longest_rebuilding_prefix_hit
+
 from ._compat import (
     VllmConfig,
     kv_connector_class,
@@ -33,7 +37,7 @@ from ._compat import (
     supports_hma,
 )
 from .errors import RingConfigError
-from .prefix_cache import ring_hit_cap
+from .kv_cache import RingSWASpec, ring_prefix_cache_enabled
 
 # a connector class attribute: True = it loads no ring group and caps its hits with external_hit_cap
 RING_SAFE_ATTRIBUTE = "ringkv_ring_safe"
@@ -41,11 +45,12 @@ RING_SAFE_ATTRIBUTE = "ringkv_ring_safe"
 
 def external_hit_cap(kv_cache_groups: Iterable[Any], num_tokens: int, num_computed_tokens: int) -> int | None:
     """The most tokens a connector may load past ``num_computed_tokens`` (the local hit) for a request of
-    ``num_tokens`` tokens, so that the recompute rebuilds every ring group; None when no group is a ring."""
-    groups = list(kv_cache_groups)
-    cap = ring_hit_cap(groups, num_tokens)
-    if cap == num_tokens:
+    ``num_tokens`` tokens, so that the recompute rebuilds every ring group (no connector moves a ring, whether or
+    not the ring's windows are in the local prefix cache); None when no group is a ring."""
+    windows = [g.kv_cache_spec.sliding_window for g in kv_cache_groups if isinstance(g.kv_cache_spec, RingSWASpec)]
+    if not windows:
         return None
+    cap = min(longest_rebuilding_prefix_hit(num_tokens, window) for window in windows)
     return max(0, cap - num_computed_tokens)
 
 
@@ -120,4 +125,12 @@ def check_connector(vllm_config: VllmConfig, target_sliding_on_ring: bool) -> No
             "MultiConnector when every child is one), a connector that sets "
             f"{RING_SAFE_ATTRIBUTE} = True and caps its hits with ringkv.integration.vllm.connectors."
             "external_hit_cap, or remove --kv-transfer-config."
+        )
+    if ring_prefix_cache_enabled():
+        raise RingConfigError(
+            f"ringkv: the KV connector {name} would store and load the ring group by row position: with "
+            "RINGKV_RING_PREFIX_CACHE=1 (the default) the ring's blocks are prefix-cacheable, which is what vLLM's "
+            "connectors move, and a ring row names blocks overwritten since. Start vLLM with "
+            "RINGKV_RING_PREFIX_CACHE=0 (every hit, local or the connector's, capped so the target rebuilds the "
+            "window), or remove --kv-transfer-config / --kv-offloading-size."
         )

@@ -31,6 +31,12 @@ SHAPE = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 32, "dtype": torch
 HOST = {"kv_connector": "HostKVConnector", "kv_connector_module_path": "ringkv.bench.lab.e2e.kv_transfer"}
 
 
+@pytest.fixture(autouse=True)
+def rings_out_of_the_prefix_cache(monkeypatch):
+    """Connectors are served with the ring's windows out of vLLM's prefix cache (``check_connector``)."""
+    monkeypatch.setenv("RINGKV_RING_PREFIX_CACHE", "0")
+
+
 def kv_cache_config(pool_blocks: int = 256) -> KVCacheConfig:
     groups = [
         KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(**SHAPE)),
@@ -87,6 +93,15 @@ def test_any_connector_is_refused_with_the_targets_sliding_layers_on_the_ring():
     config.attention_config = SimpleNamespace(backend_per_kind={"sliding_window": "RINGKV"})
     with pytest.raises(RingConfigError, match="recomputing cannot rebuild"):
         check_ring_config(config)
+
+
+def test_a_connector_is_refused_while_the_rings_windows_are_in_the_prefix_cache(monkeypatch):
+    """With RINGKV_RING_PREFIX_CACHE=1 the ring group is prefix-cacheable: vLLM's connectors would move its row."""
+    monkeypatch.setenv("RINGKV_RING_PREFIX_CACHE", "1")
+    with pytest.raises(RingConfigError, match="RINGKV_RING_PREFIX_CACHE=0"):
+        check_ring_config(connector_config(**offloading()))
+    cached = KVCacheGroupSpec(["l"], RingSWASpec(**SHAPE, sliding_window=WINDOW, lookahead=LOOKAHEAD, cache_ring=True))
+    assert external_hit_cap([cached], 400, 0) == 337, "a cached ring's window is not moved either: the same cap"
 
 
 def test_offloading_never_sees_the_ring_group():

@@ -41,6 +41,8 @@ FIRST_TURN, TURN = 300, 8
 PD_PROMPTS, FAILED, ABORTED = (300, 230, 200, 170), 1, 2
 BATCHED_TOKENS = 2048
 KV_SOURCE = "ringkv.bench.lab.e2e.kv_transfer"
+# connectors are served with the ring's windows out of vLLM's prefix cache (connectors.check_connector)
+RING_OUT_OF_THE_PREFIX_CACHE = {"RINGKV_RING_PREFIX_CACHE": "0"}
 
 
 def tokens(generator: random.Random, n: int) -> list[int]:
@@ -56,7 +58,8 @@ def offloading_spec(models) -> EngineRunSpec:
     return EngineRunSpec(target=str(models.target), drafter=str(models.drafter), drafter_backend="ring",
                          prompts=waves[0], later_waves=waves[1:], continued_slots=[0], max_tokens=REPLY,
                          kv_block_size=BLOCK, max_num_batched_tokens=BATCHED_TOKENS, enable_prefix_caching=False,
-                         extra_engine_args={"kv_transfer_config": transfer})  # fmt: skip
+                         extra_engine_args={"kv_transfer_config": transfer},
+                         environment=RING_OUT_OF_THE_PREFIX_CACHE)  # fmt: skip
 
 
 def host_transfer(path: str, role: str, **extra) -> dict:
@@ -85,7 +88,8 @@ def split(chain_models, tmp_path_factory) -> dict[str, EngineRun]:
     spec = EngineRunSpec(target=str(chain_models.target), drafter=str(chain_models.drafter), drafter_backend="ring",
                          prompts=[tokens(generator, n) for n in PD_PROMPTS], max_tokens=1, kv_block_size=BLOCK,
                          max_num_batched_tokens=BATCHED_TOKENS,
-                         extra_engine_args={"kv_transfer_config": host_transfer(path, "kv_producer")})  # fmt: skip
+                         extra_engine_args={"kv_transfer_config": host_transfer(path, "kv_producer")},
+                         environment=RING_OUT_OF_THE_PREFIX_CACHE)  # fmt: skip
     producer = run_engine(spec, drafter_layers=layers(chain_models))
     consumer_transfer = host_transfer(path, "kv_consumer", fail_requests=[str(FAILED)], load_delay_steps=3)
     consumer = run_engine(replace(spec, max_tokens=REPLY, abort_after_tokens={str(ABORTED): 0},
