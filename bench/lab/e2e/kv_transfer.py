@@ -11,7 +11,7 @@
   chain over the prompt's tokens, so another engine finds it. A ``kv_producer`` stores what it prefilled; a
   ``kv_consumer`` loads asynchronously what it finds, capped by ``ringkv``'s ``external_hit_cap`` inside its own
   answer; it never touches a ring group (not prefix-cacheable). Faults for the tests: ``fail_requests`` (request
-  names whose load copies only its first half, poisons the rest with NaN and reports the request in
+  names whose load copies only its first half, poisons the rest (``POISON``) and reports the request in
   ``failed_recving``: vLLM's request-level load failure, the one it supports with several KV groups) and
   ``load_delay_steps`` (steps a load stays in flight, so a request can be aborted mid-transfer).
 """
@@ -36,6 +36,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, OffloadingWorker, TransferResult
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+# what a failed load leaves in the blocks it did not fill
+POISON = 1.0e4
 
 
 class SyncCPUOffloadingWorker(OffloadingWorker):
@@ -230,7 +233,10 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
                     for layer in self._layers(group):
                         cache = self.kv_caches[layer]
                         if pages is None:
-                            cache[block].fill_(float("nan"))  # never read: vLLM recomputes a failed load
+                            # garbage a wrong read would show (finite: vLLM recomputes a failed load into freed
+                            # blocks, and reuses them as partly filled tails whose stale slots get weight 0, and
+                            # 0 * NaN is NaN)
+                            cache[block].fill_(POISON)
                         else:
                             cache[block].copy_(pages[layer])
             self._in_flight[load.request_id] = (self.load_delay_steps, load.fail)
