@@ -177,7 +177,8 @@ PATCHES: tuple[Patch, ...] = (
         owner_name="OffloadingConnector", owner=_compat.offloading_connector_class,
         attribute="_max_loadable_tokens", wrapper=wrap_max_loadable_tokens,
         why="Caps what vLLM's KV offloading loads, inside the connector's own answer, so recomputing the rest "
-        "rebuilds every ring's window (the ring group itself is not prefix-cacheable, so never offloaded).",
+        "rebuilds every ring's window (the ring group is never offloaded: connectors are refused while it is "
+        "prefix-cacheable, RINGKV_RING_PREFIX_CACHE=1).",
     ),
     Wrap(
         owner_name="DFlashSpeculator", owner=_compat.dflash_speculator_class, attribute="_precompute_context_kv",
