@@ -159,6 +159,36 @@ def dflash_speculator_class() -> type:
     return DFlashSpeculator
 
 
+def offloading_connector_class() -> type:
+    """vLLM's ``OffloadingConnector``: it offloads only ``prefix_cacheable_group_ids`` and bounds its
+    ``get_num_new_matched_tokens`` by ``_max_loadable_tokens(request, num_computed_tokens)`` (0.32 to 0.34)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+    return OffloadingConnector
+
+
+def kv_connector_class(kv_transfer_config: object) -> type:
+    """The connector class a ``KVTransferConfig`` names (vLLM's registry or its ``kv_connector_module_path``)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    return KVConnectorFactory.get_connector_class(kv_transfer_config)
+
+
+def kv_transfer_config_class() -> type:
+    """vLLM's ``KVTransferConfig`` (a ``MultiConnector``'s children are given as its keyword dicts)."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig
+
+
+def supports_hma(connector_class: type) -> bool:
+    """Whether a connector class implements vLLM's ``SupportsHMA`` (without it vLLM turns the hybrid KV-cache
+    manager off: ``VllmConfig`` in 0.32 to 0.34)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma as vllm_supports_hma
+
+    return vllm_supports_hma(connector_class)
+
+
 def is_draft_spec(kv_cache_spec: object) -> bool:
     """Whether vLLM marked a KV-cache spec as a drafter's: ``KVCacheSpec.is_draft`` exists from 0.33 (set by
     Model Runner V2, and by 0.33's V1 runner, on draft layers); 0.32 has no such field (its V1 drafter builds its
@@ -250,12 +280,16 @@ __all__ = [
     "init_logger",
     "is_draft_spec",
     "kv_cache_manager_class",
+    "kv_connector_class",
+    "kv_transfer_config_class",
     "marked_draft_layers",
+    "offloading_connector_class",
     "register_backend",
     "registered_kv_spec_manager",
     "replace_as",
     "resolve_block_hashes",
     "set_current_vllm_config",
+    "supports_hma",
     "vllm_version",
     "worker_class",
 ]

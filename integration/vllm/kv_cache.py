@@ -232,9 +232,12 @@ class RingSWAManager(SlidingWindowManager):
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
     ) -> int:
-        # admission (capped) and execution (uncapped) ask the same question: the same answer
-        del total_computed_tokens, apply_admission_cap, prefill_end
-        self.check_lookahead(num_tokens, num_tokens_main_model)
+        # admission (capped) and execution (uncapped) ask the same question: the same answer. Only execution
+        # plans writes; a capped count may reserve past the lookahead (vLLM's _request_remaining_blocks adds
+        # 1 + num_spec_tokens + num_lookahead_tokens for a prefill waiting on a KV connector's async load)
+        del total_computed_tokens, prefill_end
+        if not apply_admission_cap:
+            self.check_lookahead(num_tokens, num_tokens_main_model)
         hit = self.hit_blocks(new_computed_blocks, num_local_computed_tokens) if new_computed_blocks else ()
         return self.plan_step(request_id, num_tokens, num_tokens_main_model, hit).cost
 
@@ -287,11 +290,13 @@ class RingSWAManager(SlidingWindowManager):
         num_external_computed_tokens: int,
         record_for_zeroing: bool = True,
     ) -> None:
-        if num_external_computed_tokens > 0:  # planning.check_ring_config refuses KV connectors at startup
-            raise RingConfigError(
-                f"ringkv: {num_external_computed_tokens} KV-connector tokens for request {request_id} carry no ring "
-                "K/V; remove --kv-transfer-config"
-            )
+        """A KV connector's hit (capped by ``connectors.external_hit_cap``: no connector moves a ring, so the hit
+        stops where the first query still sees) is dead to the ring: null placeholders up to its last whole block,
+        after the local hit's entries."""
+        del record_for_zeroing
+        row = self.req_to_blocks[request_id]
+        whole = (num_local_computed_tokens + num_external_computed_tokens) // self.block_size
+        row.extend([self._null_block] * (whole - len(row)))
 
     def add_local_computed_blocks(
         self,

@@ -5,8 +5,8 @@
 Each entry names the vLLM owner (reached through ``_compat.py``, like every vLLM import of the plugin), the
 attribute or registry key it changes, why, the vLLM versions that need it and, where it applies only to some
 processes, when. A ``Wrap`` replaces a vLLM function once (``wrap_once.py``); its body is a factory in the module
-named for its job (``selection.py``, ``planning.py``, ``prefix_cache.py``, ``speculator.py``). A ``Registration``
-adds ringkv to one of vLLM's registries. ``markdown_table()`` renders the table for the docs;
+named for its job (``selection.py``, ``planning.py``, ``prefix_cache.py``, ``connectors.py``, ``speculator.py``).
+A ``Registration`` adds ringkv to one of vLLM's registries. ``markdown_table()`` renders the table for the docs;
 ``tests/integration/test_vllm_patches.py`` checks every entry is installed once, and only where its range holds.
 """
 
@@ -23,6 +23,7 @@ from packaging.version import Version
 from . import _compat
 from ._compat import AttentionBackendEnum, KVCacheSpecRegistry
 from .cached_ring import evict_windows_first
+from .connectors import wrap_max_loadable_tokens
 from .kv_cache import RingSWAManager, RingSWASpec
 from .names import BACKEND_PATH, CPU_SLIDING_BACKEND_PATH
 from .planning import wrap_get_kv_cache_spec
@@ -171,6 +172,13 @@ PATCHES: tuple[Patch, ...] = (
         wrapper=evict_windows_first,
         why="Evicts cached ring windows before any cached target block (a window saves one conversation at most a "
         "window of recompute).",
+    ),
+    Wrap(
+        owner_name="OffloadingConnector", owner=_compat.offloading_connector_class,
+        attribute="_max_loadable_tokens", wrapper=wrap_max_loadable_tokens,
+        why="Caps what vLLM's KV offloading loads, inside the connector's own answer, so recomputing the rest "
+        "rebuilds every ring's window (the ring group is never offloaded: connectors are refused while it is "
+        "prefix-cacheable, RINGKV_RING_PREFIX_CACHE=1).",
     ),
     Wrap(
         owner_name="DFlashSpeculator", owner=_compat.dflash_speculator_class, attribute="_precompute_context_kv",

@@ -20,6 +20,7 @@ from typing import Any
 from ringkv.kernels.varlen import MAX_QUERY_LEN
 
 from ._compat import AttentionBackendEnum, VllmConfig, set_current_vllm_config
+from .connectors import check_connector
 from .errors import RingConfigError
 from .names import RING_NAMES, UNPLANNED
 
@@ -43,18 +44,16 @@ def drafter_max_len_from_config(vllm_config: VllmConfig | None) -> int:
 
 def check_ring_config(vllm_config: VllmConfig) -> None:
     """Refuse configurations that would silently lose the ring or its contents."""
+    # first: a connector without SupportsHMA is why vLLM turned the hybrid manager off, and its error names it
+    check_connector(
+        vllm_config, bool(getattr(vllm_config, "kv_transfer_config", None)) and target_sliding_on_ring(vllm_config)
+    )
     scheduler = getattr(vllm_config, "scheduler_config", None)
     if scheduler is not None and getattr(scheduler, "disable_hybrid_kv_cache_manager", False):
         raise RingConfigError(
             "ringkv: the hybrid KV-cache manager is disabled, so vLLM would turn the ring's sliding-window spec "
             "into full attention (every token kept). Remove --disable-hybrid-kv-cache-manager (and KV connectors "
             "without hybrid support)."
-        )
-    if getattr(vllm_config, "kv_transfer_config", None) is not None:
-        raise RingConfigError(
-            "ringkv: a KV connector (kv_transfer_config) is configured, but tokens it loads carry no ring K/V and "
-            "may cover the window a ring must still serve. Remove --kv-transfer-config, or keep the sliding-window "
-            "layers on vLLM's own attention backend."
         )
     cache = getattr(vllm_config, "cache_config", None)
     if cache is not None and getattr(cache, "enable_prefix_caching", False) and target_sliding_on_ring(vllm_config):

@@ -21,6 +21,7 @@ from ringkv.integration.vllm.backend import RingKVBackend
 from ringkv.integration.vllm.kv_cache import RingSWASpec, to_ring_spec
 from ringkv.integration.vllm.planning import RingConfigError, check_ring_config
 from ringkv.kernels.testing import DrafterShape
+from vllm.config import KVTransferConfig
 
 from tests.testing import NAN, assert_attention_close
 
@@ -143,8 +144,8 @@ def test_full_attention_layers_keep_vllms_spec():
     [
         (SimpleNamespace(scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=True)),
          "--disable-hybrid-kv-cache-manager"),
-        (SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="LMCacheConnectorV1")),
-         "--kv-transfer-config"),
+        (SimpleNamespace(kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")),
+         "SupportsHMA"),
         (SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True),
                          attention_config=SimpleNamespace(backend_per_kind={"sliding_window": "RINGKV"})),
          "--no-enable-prefix-caching"),

@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+"""KV connectors with a ring: which ones the ring can serve, and the cap on what they load.
+
+A ring group keeps no K/V a connector could move (its blocks are overwritten in place: row entry ``j`` is
+``ring[j mod R]``, so most entries of a long row name blocks that now hold later positions). What a connector
+may do is what a prefix hit does (``prefix_cache``): give the target's groups a prefix, at most
+``N - (W - 1)`` tokens of a request of N, so that the target's recompute of the rest rebuilds every ring.
+Two things make a connector safe, both decided in its own source, and the ring's windows must stay out of vLLM's
+prefix cache (``RINGKV_RING_PREFIX_CACHE=0``: with it on, the ring group is prefix-cacheable and connectors would
+move it by row position; ``check_connector`` refuses that naming the switch):
+
+- it never stores or loads a ring group: the ring's spec is not ``prefix_cacheable``, and vLLM's
+  ``OffloadingConnector`` offloads only ``kv_cache_config.prefix_cacheable_group_ids`` (``get_offloading_group_ids``,
+  0.32 to 0.34), so it never sees the ring's row;
+- its external hit is capped *inside its own answer* (``get_num_new_matched_tokens``): ``OffloadingConnector``
+  remembers the boundary it offered and asserts it in ``update_state_after_alloc``, so the scheduler's number
+  cannot be lowered afterwards. Its answer is bounded by ``_max_loadable_tokens`` (0.32 to 0.34), which
+  ``wrap_max_loadable_tokens`` (a ``patches.PATCHES`` entry) bounds by ``external_hit_cap``.
+
+Connectors outside vLLM declare both by setting ``RING_SAFE_ATTRIBUTE`` on their class; they call
+``external_hit_cap`` in ``get_num_new_matched_tokens`` themselves (``ringkv.bench.lab.e2e.kv_transfer`` does).
+``check_connector`` (from ``planning.check_ring_config``) refuses every other connector at startup, naming the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ringkv.kernels.ring_geometry import longest_rebuilding_prefix_hit
+
+from ._compat import (
+    VllmConfig,
+    kv_connector_class,
+    kv_transfer_config_class,
+    offloading_connector_class,
+    supports_hma,
+)
+from .errors import RingConfigError
+from .kv_cache import RingSWASpec, ring_prefix_cache_enabled
+
+# a connector class attribute: True = it loads no ring group and caps its hits with external_hit_cap
+RING_SAFE_ATTRIBUTE = "ringkv_ring_safe"
+
+
+def external_hit_cap(kv_cache_groups: Iterable[Any], num_tokens: int, num_computed_tokens: int) -> int | None:
+    """The most tokens a connector may load past ``num_computed_tokens`` (the local hit) for a request of
+    ``num_tokens`` tokens, so that the recompute rebuilds every ring group (no connector moves a ring, whether or
+    not the ring's windows are in the local prefix cache); None when no group is a ring."""
+    windows = [g.kv_cache_spec.sliding_window for g in kv_cache_groups if isinstance(g.kv_cache_spec, RingSWASpec)]
+    if not windows:
+        return None
+    cap = min(longest_rebuilding_prefix_hit(num_tokens, window) for window in windows)
+    return max(0, cap - num_computed_tokens)
+
+
+def wrap_max_loadable_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's ``OffloadingConnector._max_loadable_tokens(request, num_computed_tokens)`` (the bound its
+    ``get_num_new_matched_tokens`` hands its lookup as ``max_num_new_tokens``; None = unbounded), bounded by
+    ``external_hit_cap``."""
+
+    def max_loadable_tokens(self: Any, request: Any, num_computed_tokens: int) -> int | None:
+        bound = original(self, request, num_computed_tokens)
+        cap = external_hit_cap(self._kv_cache_config.kv_cache_groups, request.num_tokens, num_computed_tokens)
+        if cap is None:
+            return bound
+        return cap if bound is None else min(bound, cap)
+
+    return max_loadable_tokens
+
+
+def ring_safe_reason(connector_class: type) -> str | None:
+    """None when ringkv can serve ``connector_class`` beside a ring; else why not (for the error)."""
+    if getattr(connector_class, RING_SAFE_ATTRIBUTE, False):
+        return None
+    if issubclass(connector_class, offloading_connector_class()):
+        return None
+    return (
+        "ringkv has not made it safe: a connector may store and load a ring group by row position (the ring's row "
+        "names blocks overwritten since), and its hit must be capped inside its own get_num_new_matched_tokens "
+        "(docs/connectors.md lists vLLM's connectors)"
+    )
+
+
+def _children(kv_transfer_config: Any) -> list[Any]:
+    """The child configs of a ``MultiConnector`` (its ``kv_connector_extra_config["connectors"]``)."""
+    config_class = kv_transfer_config_class()
+    children = kv_transfer_config.kv_connector_extra_config.get("connectors", [])
+    return [child if isinstance(child, config_class) else config_class(**child) for child in children]
+
+
+def _refusal(kv_transfer_config: Any) -> str | None:
+    connector_class = kv_connector_class(kv_transfer_config)
+    name = kv_transfer_config.kv_connector
+    if name == "MultiConnector":
+        reasons = [_refusal(child) for child in _children(kv_transfer_config)]
+        return next((reason for reason in reasons if reason is not None), None)
+    if not supports_hma(connector_class):
+        return (
+            f"the KV connector {name} does not implement vLLM's SupportsHMA, so vLLM turns the hybrid KV-cache "
+            "manager off and would turn the ring's sliding-window spec into full attention"
+        )
+    reason = ring_safe_reason(connector_class)
+    return None if reason is None else f"the KV connector {name}: {reason}"
+
+
+def check_connector(vllm_config: VllmConfig, target_sliding_on_ring: bool) -> None:
+    """Refuse a ``kv_transfer_config`` whose connector cannot serve beside a ring (see the module docstring), and
+    any connector when the target's own sliding-window layers are on the ring (a recompute cannot rebuild them)."""
+    kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+    if kv_transfer_config is None or kv_transfer_config.kv_connector is None:
+        return
+    name = kv_transfer_config.kv_connector
+    if target_sliding_on_ring:
+        raise RingConfigError(
+            f"ringkv: the KV connector {name} would give the target a prefix whose sliding-window K/V the ring does "
+            "not hold and recomputing cannot rebuild (each recomputed query needs the keys before it). Remove "
+            "--kv-transfer-config / --kv-offloading-size, or keep the target's sliding layers on vLLM's backend "
+            "(drop backend_per_kind sliding_window=RINGKV / RINGKV_CPU_SLIDING_RING) and only the drafter on RINGKV."
+        )
+    reason = _refusal(kv_transfer_config)
+    if reason is not None:
+        raise RingConfigError(
+            f"ringkv: {reason}. Use OffloadingConnector (--kv-offloading-size, or kv_connector OffloadingConnector; "
+            "MultiConnector when every child is one), a connector that sets "
+            f"{RING_SAFE_ATTRIBUTE} = True and caps its hits with ringkv.integration.vllm.connectors."
+            "external_hit_cap, or remove --kv-transfer-config."
+        )
+    if ring_prefix_cache_enabled():
+        raise RingConfigError(
+            f"ringkv: the KV connector {name} would store and load the ring group by row position: with "
+            "RINGKV_RING_PREFIX_CACHE=1 (the default) the ring's blocks are prefix-cacheable, which is what vLLM's "
+            "connectors move, and a ring row names blocks overwritten since. Start vLLM with "
+            "RINGKV_RING_PREFIX_CACHE=0 (every hit, local or the connector's, capped so the target rebuilds the "
+            "window), or remove --kv-transfer-config / --kv-offloading-size."
+        )

@@ -1,0 +1,173 @@
+# SPDX-License-Identifier: Apache-2.0
+"""KV connectors beside a ring, without an engine (``integration/vllm/connectors.py``): which connectors start, the
+cap inside ``OffloadingConnector``'s answer, the ring group hidden from it, and the ring's row after an external
+hit under vLLM's own KVCacheManager. The engine runs are test_vllm_engine_connectors.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from ringkv.integration.vllm import patches, register
+from ringkv.integration.vllm.connectors import external_hit_cap, wrap_max_loadable_tokens
+from ringkv.integration.vllm.errors import RingConfigError
+from ringkv.integration.vllm.kv_cache import RingSWASpec
+from ringkv.integration.vllm.planning import check_ring_config
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
+
+pytestmark = pytest.mark.vllm
+
+BLOCK, WINDOW, LOOKAHEAD = 16, 64, 8
+SHAPE = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float32}
+HOST = {"kv_connector": "HostKVConnector", "kv_connector_module_path": "ringkv.bench.lab.e2e.kv_transfer"}
+
+
+@pytest.fixture(autouse=True)
+def rings_out_of_the_prefix_cache(monkeypatch):
+    """Connectors are served with the ring's windows out of vLLM's prefix cache (``check_connector``)."""
+    monkeypatch.setenv("RINGKV_RING_PREFIX_CACHE", "0")
+
+
+def kv_cache_config(pool_blocks: int = 256) -> KVCacheConfig:
+    groups = [
+        KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(**SHAPE)),
+        KVCacheGroupSpec(["model.layers.1.self_attn.attn"],
+                         RingSWASpec(**SHAPE, sliding_window=WINDOW, lookahead=LOOKAHEAD)),
+    ]  # fmt: skip
+    return KVCacheConfig(num_blocks=pool_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def connector_config(**transfer) -> SimpleNamespace:
+    return SimpleNamespace(kv_transfer_config=KVTransferConfig(kv_role="kv_both", **transfer), num_lookahead_tokens=8)
+
+
+def offloading(**extra) -> dict:
+    return {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra}
+
+
+@pytest.mark.parametrize(
+    "transfer",
+    [offloading(), HOST, {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [
+        {**offloading(), "kv_role": "kv_both"}, {**HOST, "kv_role": "kv_both"}]}}],
+    ids=["OffloadingConnector", "a connector declaring ringkv_ring_safe", "MultiConnector of both"],
+)  # fmt: skip
+def test_connectors_made_safe_start(transfer):
+    check_ring_config(connector_config(**transfer))
+
+
+@pytest.mark.parametrize(
+    ("transfer", "message"),
+    [
+        ({"kv_connector": "ExampleConnector"}, "ExampleConnector does not implement vLLM's SupportsHMA"),
+        ({"kv_connector": "NixlConnector"}, "NixlConnector: ringkv has not made it safe"),
+        ({"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [
+            {**offloading(), "kv_role": "kv_both"}, {"kv_connector": "NixlConnector", "kv_role": "kv_both"}]}},
+         "NixlConnector: ringkv has not made it safe"),
+    ],
+    ids=["without SupportsHMA", "not made safe", "MultiConnector with one unsafe child"],
+)  # fmt: skip
+def test_other_connectors_are_refused_naming_the_fix(transfer, message):
+    with pytest.raises(RingConfigError, match=message) as error:
+        check_ring_config(connector_config(**transfer))
+    assert "Use OffloadingConnector" in str(error.value) and "external_hit_cap" in str(error.value)
+
+
+def test_a_connector_without_supports_hma_is_named_before_the_hybrid_manager_it_turned_off():
+    config = connector_config(kv_connector="ExampleConnector")
+    config.scheduler_config = SimpleNamespace(disable_hybrid_kv_cache_manager=True)
+    with pytest.raises(RingConfigError, match="ExampleConnector does not implement vLLM's SupportsHMA"):
+        check_ring_config(config)
+
+
+def test_any_connector_is_refused_with_the_targets_sliding_layers_on_the_ring():
+    config = connector_config(**offloading())
+    config.attention_config = SimpleNamespace(backend_per_kind={"sliding_window": "RINGKV"})
+    with pytest.raises(RingConfigError, match="recomputing cannot rebuild"):
+        check_ring_config(config)
+
+
+def test_a_connector_is_refused_while_the_rings_windows_are_in_the_prefix_cache(monkeypatch):
+    """With RINGKV_RING_PREFIX_CACHE=1 the ring group is prefix-cacheable: vLLM's connectors would move its row."""
+    monkeypatch.setenv("RINGKV_RING_PREFIX_CACHE", "1")
+    with pytest.raises(RingConfigError, match="RINGKV_RING_PREFIX_CACHE=0"):
+        check_ring_config(connector_config(**offloading()))
+    cached = KVCacheGroupSpec(["l"], RingSWASpec(**SHAPE, sliding_window=WINDOW, lookahead=LOOKAHEAD, cache_ring=True))
+    assert external_hit_cap([cached], 400, 0) == 337, "a cached ring's window is not moved either: the same cap"
+
+
+def test_offloading_never_sees_the_ring_group():
+    """vLLM's OffloadingConnector offloads only prefix-cacheable groups: the ring's row (entries for positions
+    overwritten since) is never stored or loaded by row position."""
+    assert get_offloading_group_ids(kv_cache_config()) == (0,)
+
+
+# N = 400: the cap is N - (W - 1) = 337 tokens in all
+@pytest.mark.parametrize(("computed", "bound", "expected"), [(0, None, 337), (96, None, 241), (96, 100, 100),
+                                                              (96, 500, 241), (352, None, 0)])  # fmt: skip
+def test_offloadings_answer_is_capped_inside_the_connector(computed, bound, expected):
+    """``_max_loadable_tokens`` is the bound OffloadingConnector hands its own lookup (``max_num_new_tokens``): the
+    hit it offers, remembers and asserts in ``update_state_after_alloc`` is already capped."""
+    register()
+    connector = SimpleNamespace(_kv_cache_config=kv_cache_config())
+    capped = wrap_max_loadable_tokens(lambda self, request, num_computed: bound)
+    assert capped(connector, SimpleNamespace(num_tokens=400), computed) == expected
+
+
+def test_without_a_ring_the_bound_is_vllms():
+    full_only = SimpleNamespace(kv_cache_groups=kv_cache_config().kv_cache_groups[:1])
+    assert external_hit_cap(full_only.kv_cache_groups, 400, 0) is None
+    capped = wrap_max_loadable_tokens(lambda self, request, num_computed: 7)
+    assert capped(SimpleNamespace(_kv_cache_config=full_only), SimpleNamespace(num_tokens=400), 0) == 7
+
+
+def test_the_cap_is_installed_on_offloading_connector():
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+    register()
+    assert patches.entry("OffloadingConnector._max_loadable_tokens").installs() == 1
+    assert getattr(OffloadingConnector._max_loadable_tokens, "_ringkv_wrapped", False)
+
+
+def test_an_external_hit_leaves_the_ring_row_position_indexed_and_holding_r_blocks():
+    """vLLM's KVCacheManager admitting a request with 320 tokens from a connector (no local hit): the full group
+    gets a block per position, the ring null entries up to the hit and its R blocks after; freeing returns all."""
+    register()
+    config = kv_cache_config()
+    kv = KVCacheManager(config, max_model_len=4096, scheduler_block_size=BLOCK, hash_block_size=BLOCK,
+                        max_in_flight_tokens=4096, enable_caching=False)  # fmt: skip
+    free = kv.block_pool.get_num_free_blocks()
+    req = Request("r", list(range(3, 403)), SamplingParams(max_tokens=16), None)
+    external = 320
+    blocks = kv.allocate_slots(req, 400 - external, 0, kv.empty_kv_cache_blocks, num_lookahead_tokens=LOOKAHEAD,
+                               num_external_computed_tokens=external)  # fmt: skip
+    assert blocks is not None
+    full, ring = kv.coordinator.single_type_managers
+    ring_spec = config.kv_cache_groups[1].kv_cache_spec
+    row = ring.req_to_blocks["r"]
+    assert len(full.req_to_blocks["r"]) == len(row) == (400 + LOOKAHEAD + BLOCK - 1) // BLOCK
+    assert all(block.is_null for block in row[: external // BLOCK])
+    live = {block.block_id for block in row if not block.is_null}
+    assert len(live) == len(ring.rings["r"]) == ring_spec.ring_blocks
+    kv.free(req)
+    assert kv.block_pool.get_num_free_blocks() == free
+
+
+def test_the_reservation_for_a_prefill_waiting_on_an_async_load_counts_the_ring():
+    """vLLM reserves, for a prefill waiting on a connector's async load, what it still needs at ``N + 1 +
+    num_spec_tokens + num_lookahead_tokens`` slots (``Scheduler._request_remaining_blocks``, a capped count): past
+    the ring's planned lookahead, yet only a count; the ring answers R less what it holds."""
+    register()
+    kv = KVCacheManager(kv_cache_config(), max_model_len=4096, scheduler_block_size=BLOCK, hash_block_size=BLOCK,
+                        max_in_flight_tokens=4096, enable_caching=False)  # fmt: skip
+    ring = kv.coordinator.single_type_managers[1]
+    need = ring.get_num_blocks_to_allocate("r", 400 + 1 + 7 + LOOKAHEAD, (), 0, 0, 400, apply_admission_cap=True)
+    assert need == ring.ring_blocks
