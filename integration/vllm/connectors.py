@@ -126,11 +126,11 @@ def check_connector(vllm_config: VllmConfig, target_sliding_on_ring: bool) -> No
             f"{RING_SAFE_ATTRIBUTE} = True and caps its hits with ringkv.integration.vllm.connectors."
             "external_hit_cap, or remove --kv-transfer-config."
         )
-    if ring_prefix_cache_enabled():
+    if ring_prefix_cache_enabled(kv_connector=True):
         raise RingConfigError(
             f"ringkv: the KV connector {name} would store and load the ring group by row position: with "
-            "RINGKV_RING_PREFIX_CACHE=1 (the default) the ring's blocks are prefix-cacheable, which is what vLLM's "
-            "connectors move, and a ring row names blocks overwritten since. Start vLLM with "
-            "RINGKV_RING_PREFIX_CACHE=0 (every hit, local or the connector's, capped so the target rebuilds the "
-            "window), or remove --kv-transfer-config / --kv-offloading-size."
+            "RINGKV_RING_PREFIX_CACHE=1 set the ring's blocks are prefix-cacheable, which is what vLLM's "
+            "connectors move, and a ring row names blocks overwritten since. Unset it (with a connector it defaults "
+            "to 0: every hit, local or the connector's, capped so the target rebuilds the window), or remove "
+            "--kv-transfer-config / --kv-offloading-size."
         )

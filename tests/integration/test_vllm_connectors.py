@@ -98,10 +98,23 @@ def test_any_connector_is_refused_with_the_targets_sliding_layers_on_the_ring():
 def test_a_connector_is_refused_while_the_rings_windows_are_in_the_prefix_cache(monkeypatch):
     """With RINGKV_RING_PREFIX_CACHE=1 the ring group is prefix-cacheable: vLLM's connectors would move its row."""
     monkeypatch.setenv("RINGKV_RING_PREFIX_CACHE", "1")
-    with pytest.raises(RingConfigError, match="RINGKV_RING_PREFIX_CACHE=0"):
+    with pytest.raises(RingConfigError, match=r"RINGKV_RING_PREFIX_CACHE=1 set .* Unset it"):
         check_ring_config(connector_config(**offloading()))
     cached = KVCacheGroupSpec(["l"], RingSWASpec(**SHAPE, sliding_window=WINDOW, lookahead=LOOKAHEAD, cache_ring=True))
     assert external_hit_cap([cached], 400, 0) == 337, "a cached ring's window is not moved either: the same cap"
+
+
+def test_with_a_connector_the_switch_defaults_to_off(monkeypatch):
+    """Unset, RINGKV_RING_PREFIX_CACHE keeps the ring's windows out of the prefix cache when a KV connector is
+    configured (and in it otherwise); the connector check then accepts."""
+    from ringkv.integration.vllm.kv_cache import to_ring_spec
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    monkeypatch.delenv("RINGKV_RING_PREFIX_CACHE")
+    check_ring_config(connector_config(**offloading()))
+    sliding = SlidingWindowSpec(**SHAPE, sliding_window=WINDOW)
+    assert not to_ring_spec(sliding, LOOKAHEAD, kv_connector=True).cache_ring
+    assert to_ring_spec(sliding, LOOKAHEAD).cache_ring
 
 
 def test_offloading_never_sees_the_ring_group():
