@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate the committed CPU figures of bench/README.md and docs/ (bench/results/) from a clean commit.
 #
-#   bash bench/regenerate.sh            every figure below, in order (about 35 minutes on 2 cores)
+#   bash bench/regenerate.sh            every figure below, in order (about 45 minutes on 2 cores; load alone about 10)
 #   bash bench/regenerate.sh smoke e2e  only the named ones
 #
 # Each text file starts with the command that wrote it and the commit; JSONL rows carry the commit in their
