@@ -256,7 +256,7 @@ class RingSWAManager(SlidingWindowManager):
         # release first: another request keeps each replaced block (it never returns to the free queue here)
         self.block_pool.free_blocks([ring[column] for column in step.replaced])
         for column in step.replaced:
-            self.forget(row, ring, holds, column)
+            holds[column] = -1  # the column stops holding its logical block: never hashed under it
         fresh = self.block_pool.get_new_blocks(len(step.claims) + len(step.replaced)) if step.cost else []
         for column, block in zip(step.claims + step.replaced, fresh, strict=True):
             ring[column], holds[column] = block, -1
@@ -270,22 +270,14 @@ class RingSWAManager(SlidingWindowManager):
                 continue
             column = ring_block(j, self.ring_blocks)
             block = ring[column]
-            if holds[column] not in (-1, j):
-                self.forget(row, ring, holds, column)
-                if block.block_hash is not None:  # held by this request alone: no later request may adopt it now
-                    self.block_pool._maybe_evict_cached_block(block)
+            # the column stops holding its logical block (never hashed under it again; the row keeps naming it there,
+            # as the worker's append-only row does: dead to every query, the R proof of ring_geometry)
+            if holds[column] not in (-1, j) and block.block_hash is not None:
+                self.block_pool._maybe_evict_cached_block(block)  # held by this request alone: none may adopt it now
             holds[column] = j
             row.append(block)
         self.steps.record(request_id, num_tokens_main_model)
         return row[start:]
-
-    def forget(self, row: list[KVCacheBlock], ring: list[KVCacheBlock | None], holds: list[int], column: int) -> None:
-        """Column ``column`` stops holding its logical block: the row no longer names it there (that block is dead
-        to every query, the R proof of ``ring_geometry``), so nothing can hash or read it under that position."""
-        old = holds[column]
-        if 0 <= old < len(row) and row[old] is ring[column]:
-            row[old] = self._null_block
-        holds[column] = -1
 
     def allocate_external_computed_blocks(
         self,

@@ -103,21 +103,25 @@ def drafter_manager(manager: KVCacheManager):
     return manager.coordinator.single_type_managers[-1]
 
 
+def held_rows(manager: KVCacheManager) -> dict[str, list]:
+    """Per request, the drafter group's blocks it holds a reference to: a ring's claimed columns (None until
+    claimed; its row may still name a block it replaced, as the worker's row does), else the row."""
+    group = drafter_manager(manager)
+    rings = getattr(group, "rings", None)
+    if rings is None:
+        return group.req_to_blocks
+    return {request_id: [block for block in ring if block is not None] for request_id, ring in rings.items()}
+
+
 def drafter_blocks_held(manager: KVCacheManager, request_id: str) -> int:
     """Distinct physical (non-null) blocks the drafter group holds for a request."""
-    row = drafter_manager(manager).req_to_blocks.get(request_id, [])
-    held = {block.block_id for block in row if not block.is_null}
-    # a ring's column is None until it is claimed
-    ring = getattr(drafter_manager(manager), "rings", {}).get(request_id, [])
-    return len(held | {block.block_id for block in ring if block is not None})
+    return len({block.block_id for block in held_rows(manager).get(request_id, []) if not block.is_null})
 
 
 def drafter_blocks_in_use(manager: KVCacheManager) -> int:
     """Distinct physical (non-null) blocks the drafter group holds for all requests together (a block two
     requests share through the prefix cache counts once)."""
-    group = drafter_manager(manager)
-    rows = [*group.req_to_blocks.values(), *getattr(group, "rings", {}).values()]
-    return len({block.block_id for row in rows for block in row if block is not None and not block.is_null})
+    return len({block.block_id for row in held_rows(manager).values() for block in row if not block.is_null})
 
 
 def admits(deployment: Deployment, ring: bool, num_tokens: int) -> bool:
