@@ -16,7 +16,10 @@ The request's block-table row stays a position-indexed logical row, as vLLM's wo
 ``P_min`` is the lowest context_len position this step can end at (every speculative token rejected), so
 no block a query may still read is nulled. The R ring blocks are claimed on first need and held until the
 request is freed: admission, pool sizing, per-step prediction and allocation all count
-``min(cdiv(N, bs), R)`` blocks.
+``min(cdiv(N, bs), R)`` blocks. With ``cache_ring`` (``cached_ring.py``) a prefix hit's cached blocks are adopted
+at their columns, and a column whose block another request shares takes a fresh block when it moves on (the
+shared one released): still at most R held, and an entry the row wrote before (dead to every query, as in the
+worker's append-only row) may name the block its column held then.
 """
 
 from __future__ import annotations
