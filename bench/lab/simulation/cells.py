@@ -28,21 +28,22 @@ from .workloads import WORKLOADS, Conversation, conversations
 MODES = {"stock": (False, False), "ring-today": (True, False), "ring-cached": (True, True)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Shape:
-    """The deployment and the workload every cell of one table shares. ``conversations``: 0 takes the
-    workload's own count, a smaller number its first conversations (a tiny run)."""
+    """The deployment and the workload every cell of one table shares (``LoadOptions.shape``, whose flags hold the
+    defaults). ``conversations``: 0 takes the workload's own count, a smaller number its first conversations (a
+    tiny run)."""
 
-    workload: str = "chat"
-    window: int = 2048
-    drafter_kv_block_size: int = 16
-    num_speculative_tokens: int = 7
-    target_groups: int = 6
-    target_kv_block_size: int = 2304
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 64
-    conversations: int = 0
-    seed: int = 0
+    workload: str
+    window: int
+    drafter_kv_block_size: int
+    num_speculative_tokens: int
+    target_groups: int
+    target_kv_block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    conversations: int
+    seed: int
 
     @property
     def drafter(self) -> DrafterShape:
