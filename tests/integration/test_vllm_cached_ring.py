@@ -234,3 +234,15 @@ def test_with_prefix_caching_off_the_switch_changes_nothing():
     sched, _, audit, record, _ = drive(90, cache_ring=True, abort_at=30, prefix_caching=False)
     assert record["hits"] == record["adopted"] == audit.hashes_checked == 0 and record["preemptions"] > 0
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 90 - 1
+
+
+def test_a_cached_ring_looked_up_outside_vllms_coordinator_names_the_fix():
+    """The cached ring's finder needs the request's length from the coordinator's wrapper (register()); called
+    without it, it refuses instead of guessing a hit."""
+    from ringkv.integration.vllm.errors import RingConfigError
+
+    sched, _ = scheduler(90, cache_ring=True)
+    ring = drafter_manager(sched.kv_cache_manager)
+    with pytest.raises(RingConfigError, match=r"register the plugin .* or set RINGKV_RING_PREFIX_CACHE=0"):
+        type(ring).find_longest_cache_hit([], 64, [ring.kv_cache_group_id], ring.block_pool, ring.kv_cache_spec,
+                                          False, TARGET_BLOCK)  # fmt: skip
