@@ -215,13 +215,11 @@ def evict_windows_first(original: Callable[..., Any]) -> Callable[..., Any]:
                     doomed += 1
                 node = node.next_free_block
             spared, handed_out = [], {block.block_id for block in front}
-            for block_id in list(windows):
-                if len(spared) == doomed:
-                    break
-                block = windows[block_id][0]
+            while len(spared) < doomed and windows:  # oldest first, without copying the registry
+                block_id, (block, _) = next(iter(windows.items()))
                 if block_id not in handed_out and is_window(windows, block):
                     spared.append(block)
-                del windows[block_id]
+                del windows[block_id]  # spared, stale, or handed out anyway
             if spared:  # the front's blocks and the spared windows first, in that order
                 for block in front + spared:
                     queue.remove(block)

@@ -220,10 +220,13 @@ class RingSWAManager(SlidingWindowManager):
         written = range(self.ring_blocks) if end - start >= self.ring_blocks else [
             ring_block(j, self.ring_blocks) for j in range(start, end)
         ]  # fmt: skip
-        # other holders of a column's block: its references less this request's own (a ring block, not a hit)
+        # other holders of a column's block: its references less this request's own (a ring block, not a hit);
+        # every allocation of every running request asks this: set membership, not a scan of the claims
+        claimed = set(claims)
         replaced = tuple(
             column for column in written
-            if column not in claims and occupant(column).ref_cnt - (column < len(ring) and ring[column] is not None) > 0
+            if column not in claimed
+            and occupant(column).ref_cnt - (column < len(ring) and ring[column] is not None) > 0
         )  # fmt: skip
         evictable = sum(block.ref_cnt == 0 for block in adopted.values())
         return RingStep(claims=claims, replaced=replaced, evictable=evictable)
