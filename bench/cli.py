@@ -58,9 +58,12 @@ def cpu_figures(
 @bench.command("load", cls=RenamedFlagsCommand)
 def load(
     workload: list[str] = typer.Option(list(LoadOptions.workload), help="named workloads (bench/README.md)"),
-    mode: list[str] = typer.Option(list(LoadOptions.mode), help="drafter modes: stock, ring-today, ring-cached"),
+    mode: list[str] = typer.Option(list(LoadOptions.mode), help=f"drafter modes: {', '.join(LoadOptions.mode)}"),
     pool_multiple: list[float] = typer.Option(
         list(LoadOptions.pool_multiple), help="pools as multiples of the base pool (repeat the flag)"
+    ),
+    offload_multiple: float = typer.Option(
+        LoadOptions.offload_multiple, help="the offloading modes' CPU tier, as a multiple of the base pool"
     ),
     window: Window = LoadOptions.window,
     drafter_kv_block_size: DrafterKvBlockSize = LoadOptions.drafter_kv_block_size,
@@ -77,8 +80,10 @@ def load(
 ) -> None:
     """The named workloads through vLLM's real Scheduler + KVCacheManager (fake model, random acceptance of N
     drafts, a generator per request), stock drafter vs ring-today (every prefix hit capped at N - (W - 1)) vs
-    ring-cached (the ring's blocks in the prefix cache), prefix caching on, at pools given as multiples of the base
-    pool: the smallest where stock neither preempts nor evicts (found by search). Each cell in a process of its
+    ring-cached (the ring's blocks in the prefix cache), prefix caching on, and stock and ring-today with vLLM's
+    OffloadingConnector beside the prefix cache (stock-offload, ring-offload: a CPU tier of --offload-multiple x the
+    base pool), at pools given as multiples of the base pool: the smallest where stock neither preempts nor evicts
+    (found by search). Each cell in a process of its
     own; the table runs --repeats times and exits 1 unless every repeat's rows are identical.
 
     Columns: recomputed target tokens = target tokens computed (scheduled minus rejected drafts) minus the distinct
@@ -88,7 +93,8 @@ def load(
     average; drafter blocks the requests hold (shared ones once), peak and mean; unheld hashed drafter blocks =
     blocks with a drafter-group entry in vLLM's BlockPool cache map and ref_cnt 0, at the end and at the peak;
     conversations with at least one cached target block, at the end and at that peak; cache entries evicted (a
-    hashed free block reused by get_new_blocks), target / drafter; prefix-cache hit tokens (every admission)."""
+    hashed free block reused by get_new_blocks), target / drafter; prefix-cache hit tokens (every admission, what
+    the connector loaded included); tokens loaded from the CPU tier."""
     require_at_least([
         ("--window", window, 1), ("--drafter-kv-block-size", drafter_kv_block_size, 1),
         ("--num-speculative-tokens", num_speculative_tokens, 1), ("--target-groups", target_groups, 1),
@@ -101,6 +107,7 @@ def load(
         require(not unknown, f"{flag} {', '.join(unknown)} is not one of {', '.join(known)}")
         require(len(set(given)) == len(given), f"{flag} names one twice: {' '.join(given)}")
     require(all(m > 0 for m in pool_multiple), f"--pool-multiple {pool_multiple}: every multiple must be > 0")
+    require(offload_multiple > 0, f"--offload-multiple {offload_multiple} must be > 0")
     require_block_multiple(target_kv_block_size, drafter_kv_block_size)
     require(num_speculative_tokens < 64, f"--num-speculative-tokens {num_speculative_tokens} must be <= 63")
     require(not out.is_file(), f"--out {out} is a file; give a folder")
@@ -110,7 +117,8 @@ def load(
     from .load import cell_count, run
 
     options = LoadOptions(
-        workload=tuple(workload), mode=tuple(mode), pool_multiple=tuple(pool_multiple), window=window,
+        workload=tuple(workload), mode=tuple(mode), pool_multiple=tuple(pool_multiple),
+        offload_multiple=offload_multiple, window=window,
         drafter_kv_block_size=drafter_kv_block_size, num_speculative_tokens=num_speculative_tokens,
         target_groups=target_groups, target_kv_block_size=target_kv_block_size,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, conversations=conversations,

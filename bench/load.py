@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 Row = dict[str, Any]
 WORKLOAD_NAMES = ("chat", "agentic")
-MODE_NAMES = ("stock", "ring-today", "ring-cached")
+MODE_NAMES = ("stock", "ring-today", "ring-cached", "stock-offload", "ring-offload")
 # the module every cell's process needs, imported once by the fork server
 CELL_MODULE = "ringkv.bench.lab.simulation.cells"
 
@@ -37,11 +37,13 @@ CELL_MODULE = "ringkv.bench.lab.simulation.cells"
 @dataclass(frozen=True)
 class LoadOptions:
     """The run (each field a ``ringkv bench load`` flag): #55800's deployment (W 2048, block 16, N 7; 6 target
-    groups x block 2304, chunk 8192), the workloads, the modes and the pools as multiples of the base pool."""
+    groups x block 2304, chunk 8192), the workloads, the modes and the pools as multiples of the base pool; the CPU
+    tier of the offloading modes as a multiple of the base pool (``offload_multiple``, in the pool's blocks)."""
 
     workload: tuple[str, ...] = WORKLOAD_NAMES
     mode: tuple[str, ...] = MODE_NAMES
     pool_multiple: tuple[float, ...] = (0.125, 0.25, 0.375, 0.5, 0.75, 1.0)
+    offload_multiple: float = 1.0
     window: int = 2048
     drafter_kv_block_size: int = 16
     num_speculative_tokens: int = 7
@@ -112,7 +114,7 @@ def _cell(cell: Cell) -> tuple[tuple[int, int], Row]:
 def measure(options: LoadOptions, on_cell: Callable[[], None] | None = None) -> tuple[list[Row], dict[str, Search]]:
     """Every repeat's rows (workload, repeat, pool, mode order) and each workload's search; each search and each
     cell in a process of its own (checked: ``RuntimeError`` if two cells shared one)."""
-    from ringkv.bench.lab.simulation.cells import Cell
+    from ringkv.bench.lab.simulation.cells import MODES, Cell
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([CELL_MODULE])
@@ -126,8 +128,10 @@ def measure(options: LoadOptions, on_cell: Callable[[], None] | None = None) -> 
             for repeat in range(1, options.repeats + 1):
                 for multiple in options.pool_multiple:
                     pool_blocks = max(2, round(multiple * search.base_pool))
+                    cpu_blocks = max(1, round(options.offload_multiple * search.base_pool))
                     for mode in options.mode:
-                        cell = Cell(options.shape(workload), mode, pool_blocks)
+                        tier = cpu_blocks if MODES[mode].offload else 0
+                        cell = Cell(options.shape(workload), mode, pool_blocks, tier)
                         coordinates = {"repeat": repeat, "pool_multiple": multiple, "base_pool": search.base_pool}
                         cells.append((coordinates, pool.submit(_cell, cell)))
         rows, processes = [], set()

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
     from .load import LoadOptions
 
 Row = dict[str, Any]
-MODE_COLORS = {"stock": "tab:red", "ring-today": "tab:blue", "ring-cached": "tab:green"}
+MODE_COLORS = {"stock": "tab:red", "ring-today": "tab:blue", "ring-cached": "tab:green",
+               "stock-offload": "tab:orange", "ring-offload": "tab:purple"}  # fmt: skip
 
 
 def pair(row: Row, first: str, second: str, spec: str = ",") -> str:
@@ -34,6 +35,7 @@ COLUMNS = (
      lambda r: pair(r, "conversations_cached_end", "conversations_cached_at_peak")),
     ("evicted target / drafter", lambda r: pair(r, "target_evictions", "drafter_evictions")),
     ("prefix-cache hit tokens", lambda r: f"{r['prefix_hit_tokens']:,}"),
+    ("loaded from CPU tokens", lambda r: f"{r['offload_loaded_tokens']:,}" if r["cpu_blocks"] else ""),
 )  # fmt: skip
 
 

@@ -21,11 +21,26 @@ from ringkv.kernels.testing import ISSUE_55800, DrafterShape
 
 from .admission import Deployment
 from .load import PoolTooSmall, run_load
+from .offloading import enable_offloading
 from .scheduler_run import build_vllm_config
 from .workloads import WORKLOADS, Conversation, conversations
 
-# mode -> (drafter on the ring, the ring's blocks in the prefix cache)
-MODES = {"stock": (False, False), "ring-today": (True, False), "ring-cached": (True, True)}
+
+@dataclass(frozen=True)
+class Mode:
+    """A drafter mode: the drafter on the ring; the ring's blocks in the prefix cache (``RingSWASpec.cache_ring``);
+    vLLM's ``OffloadingConnector`` beside the prefix cache (``offloading.py``; with a connector the ring's blocks
+    stay out of the prefix cache, ``RINGKV_RING_PREFIX_CACHE``'s default then)."""
+
+    ring: bool
+    cache_ring: bool = False
+    offload: bool = False
+
+
+MODES = {
+    "stock": Mode(ring=False), "ring-today": Mode(ring=True), "ring-cached": Mode(ring=True, cache_ring=True),
+    "stock-offload": Mode(ring=False, offload=True), "ring-offload": Mode(ring=True, offload=True),
+}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,20 +82,29 @@ class Shape:
 
 @dataclass(frozen=True)
 class Cell:
+    """``cpu_blocks``: the CPU tier of an offloading mode (``offloading.enable_offloading``), else 0."""
+
     shape: Shape
     mode: str
     pool_blocks: int
+    cpu_blocks: int = 0
 
 
 def run_cell(cell: Cell) -> dict[str, Any]:
     """The cell's row: its coordinates, ``LoadResult``'s counts and the derived columns; ``pool_too_small``
     (and nothing else measured) when a step scheduled nothing."""
-    ring, cache_ring = MODES[cell.mode]
-    setup = cell.shape.deployment(cell.pool_blocks, cache_ring)
+    mode = MODES[cell.mode]
+    if mode.offload != bool(cell.cpu_blocks):
+        raise ValueError(f"mode {cell.mode} with cpu_blocks={cell.cpu_blocks}: an offloading mode needs a CPU tier, "
+                         "another none")  # fmt: skip
+    setup = cell.shape.deployment(cell.pool_blocks, mode.cache_ring)
     row: dict[str, Any] = {"workload": cell.shape.workload, "mode": cell.mode, "pool_blocks": cell.pool_blocks,
-                           "ring_blocks": setup.drafter.plan.ring_blocks}  # fmt: skip
+                           "cpu_blocks": cell.cpu_blocks, "ring_blocks": setup.drafter.plan.ring_blocks}  # fmt: skip
+    config = build_vllm_config(setup)
+    if mode.offload:
+        enable_offloading(config, setup.kv_cache_config(mode.ring), cell.cpu_blocks, setup.drafter.kv_block_size)
     try:
-        result = run_load(build_vllm_config(setup), setup, ring, cell.shape.conversations_list(), cell.shape.seed)
+        result = run_load(config, setup, mode.ring, cell.shape.conversations_list(), cell.shape.seed)
     except PoolTooSmall as error:
         return {**row, "pool_too_small": str(error)}
     return {**row, **asdict(result), "recomputed_tokens": result.recomputed_tokens,

@@ -5,7 +5,8 @@ history (``workloads.py``), each turn arriving when the one before finishes. A f
 whatever the pool does to it). Counts what the pool costs the target: preemptions, tokens computed beyond the
 least (in all and per turn), steps, concurrency, drafter blocks held, prefix-cache hits, and what the prefix
 cache holds (``census.py``): evictions, the drafter's unheld hashed blocks, conversations with cached target
-blocks."""
+blocks. With a ``kv_transfer_config`` (``offloading.enable_offloading``) vLLM's ``OffloadingConnector`` runs
+beside the prefix cache (``offloading.Offloading``) and the tokens it loads are counted."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 import numpy as np
+from ringkv.kernels.ring_geometry import longest_rebuilding_prefix_hit
 
 from ._vllm import DraftTokenIds, Request, SchedulerOutput, VllmConfig, runner_output
 from .admission import Deployment, drafter_blocks_in_use, make_request
 from .census import CacheCensus
+from .offloading import Offloading
 from .scheduler_run import fake_sample, make_scheduler, request_block_hasher
 from .workloads import Conversation
 
@@ -34,7 +37,10 @@ class LoadResult:
     first ``num_computed_tokens`` at finish), what a target with an unbounded token-exact cache would compute.
     ``turn_recompute_*``: over the turns after a conversation's first, the target tokens a turn computes beyond
     what is new to it (its tokens past the previous turn's computed ones), nearest-rank percentiles. The cache
-    counts are ``census.CacheCensus``'s."""
+    counts are ``census.CacheCensus``'s. ``prefix_hit_tokens``: what admissions started from (the local prefix
+    cache's hit plus what a connector loaded); ``offload_loaded_tokens``: the connector's part;
+    ``offload_offers_past_cap``: the connector's answers reaching past the ring's rebuild cap (``N - (W - 1)``
+    with the local hit; the ring's connector wrap must keep it 0, stock has no such cap)."""
 
     requests: int = 0
     steps: int = 0
@@ -49,6 +55,8 @@ class LoadResult:
     peak_drafter_blocks: int = 0  # distinct drafter blocks the requests hold (shared ones once)
     drafter_blocks_summed: int = 0
     prefix_hit_tokens: int = 0
+    offload_loaded_tokens: int = 0
+    offload_offers_past_cap: int = 0
     target_evictions: int = 0
     drafter_evictions: int = 0
     unheld_drafter_blocks_end: int = 0
@@ -90,8 +98,9 @@ def run_load(
     config: VllmConfig, deployment: Deployment, ring: bool, conversations: list[Conversation], seed: int = 0
 ) -> LoadResult:
     """Every conversation's first turn queued at once, each later turn added when the one before finishes; runs
-    until all have finished; ``PoolTooSmall`` if a step schedules nothing."""
+    until all have finished; ``PoolTooSmall`` if a step schedules nothing and starts no load."""
     scheduler = make_scheduler(config, deployment, ring)
+    offloading = Offloading(scheduler) if config.kv_transfer_config is not None else None
     manager = scheduler.kv_cache_manager
     census = CacheCensus(manager.block_pool, len(manager.kv_cache_config.kv_cache_groups) - 1,
                          deployment.drafter.plan.ring_blocks)  # fmt: skip
@@ -113,7 +122,8 @@ def run_load(
     result = LoadResult()
     while live:
         output = scheduler.schedule()
-        if not output.num_scheduled_tokens:
+        connector_output, loading = offloading.step(output) if offloading else (None, False)
+        if not output.num_scheduled_tokens and not loading:
             raise PoolTooSmall(f"step {result.steps}: nothing scheduled with {len(live)} requests waiting; the "
                                f"{deployment.pool_blocks}-block pool cannot hold one of them")  # fmt: skip
         result.steps += 1
@@ -132,7 +142,7 @@ def run_load(
             rejected = drafted - (len(tokens) - 1) if drafted else 0
             live[rid].computed += output.num_scheduled_tokens[rid] - rejected
             sampled.append(tokens)
-        scheduler.update_from_output(output, runner_output(ids, sampled))
+        scheduler.update_from_output(output, runner_output(ids, sampled, connector_output))
         scheduler.update_draft_token_ids(DraftTokenIds(ids, [[1] * drafts for _ in ids]))
         for rid in ids:
             entry = live[rid]
@@ -150,6 +160,11 @@ def run_load(
                 submit(entry.conversation, entry.turn + 1, history, min(request.num_computed_tokens, len(history)))
         census.observe()
     result.requests = len(finished)
+    if offloading:
+        window = deployment.drafter.window
+        result.offload_loaded_tokens = offloading.loaded_tokens
+        result.offload_offers_past_cap = sum(local + offered > longest_rebuilding_prefix_hit(tokens, window)
+                                             for tokens, local, offered in offloading.offers if offered)  # fmt: skip
     result.distinct_tokens = distinct_prefixes([computed_sequence(r, i) for i, r in enumerate(finished)])
     result.later_turns = len(turn_recompute)
     result.turn_recompute_p50, result.turn_recompute_p99 = (nearest_rank(turn_recompute, q) for q in (50, 99))

@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The offloading modes of ``ringkv bench load``: vLLM's ``OffloadingConnector`` (its scheduler side, and its worker
+side over a worker that copies nothing) beside the prefix cache in the no-model simulation, on a tiny shape (the
+chat workload's first 3 conversations, W 64, one 64-token target group) at a pool too small to keep the
+conversations' prefixes cached and at a roomy one."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from ringkv.bench.lab.simulation.cells import Cell, run_cell
+from ringkv.bench.lab.simulation.offloading import Offloading
+from ringkv.bench.lab.simulation.scheduler_run import build_vllm_config, make_scheduler
+from ringkv.bench.load import LoadOptions
+
+pytestmark = pytest.mark.vllm
+
+SHAPE = LoadOptions(window=64, target_groups=1, target_kv_block_size=64, max_num_batched_tokens=1024,
+                    max_num_seqs=8, conversations=3).shape("chat")  # fmt: skip
+TIGHT, ROOMY, CPU_TIER = 200, 800, 400  # pool blocks; the CPU tier in pool blocks
+
+
+@pytest.fixture(scope="module")
+def rows() -> dict[tuple[str, int], dict]:
+    modes = {"stock": 0, "ring-today": 0, "stock-offload": CPU_TIER, "ring-offload": CPU_TIER}
+    return {(mode, pool): run_cell(Cell(SHAPE, mode, pool, cpu)) for pool in (TIGHT, ROOMY)
+            for mode, cpu in modes.items()}  # fmt: skip
+
+
+def test_the_tight_pool_evicts_the_ring_s_prefixes(rows):
+    """The precondition of the next tests: prefix caching alone loses cached target blocks at the tight pool (stock
+    even stops: a conversation's turn cannot be admitted)."""
+    assert rows["ring-today", TIGHT]["target_evictions"] > 0
+    assert "pool_too_small" in rows["stock", TIGHT]
+
+
+@pytest.mark.parametrize("mode", ["ring", "stock"])
+def test_offloading_loads_what_the_pool_evicted_and_the_target_recomputes_less(rows, mode):
+    alone = rows[f"{mode}-today" if mode == "ring" else mode, TIGHT]
+    offloaded = rows[f"{mode}-offload", TIGHT]
+    assert offloaded["offload_loaded_tokens"] > 0 and offloaded["cpu_blocks"] == CPU_TIER
+    if "pool_too_small" not in alone:
+        assert offloaded["recomputed_tokens"] < alone["recomputed_tokens"]
+
+
+def test_the_ring_s_connector_answers_stay_within_the_rebuild_cap(rows):
+    """Every ``OffloadingConnector`` answer of the ring deployment ends at or below ``N - (W - 1)`` with the local hit
+    (ringkv's ``_max_loadable_tokens`` wrap), while loading."""
+    ring = rows["ring-offload", TIGHT]
+    assert ring["offload_loaded_tokens"] > 0 and ring["offload_offers_past_cap"] == 0
+
+
+def test_a_roomy_pool_loads_nothing_and_offloading_changes_no_count(rows):
+    """Where the pool keeps every prefix, the CPU tier is never read: the rows equal prefix caching alone's."""
+    for alone, offloaded in (("stock", "stock-offload"), ("ring-today", "ring-offload")):
+        expected = {k: v for k, v in rows[alone, ROOMY].items() if k not in ("mode", "cpu_blocks")}
+        got = {k: v for k, v in rows[offloaded, ROOMY].items() if k not in ("mode", "cpu_blocks")}
+        assert got == expected
+
+
+def test_an_offloading_mode_needs_a_cpu_tier_and_the_others_none():
+    with pytest.raises(ValueError, match="an offloading mode needs a CPU tier"):
+        run_cell(Cell(SHAPE, "ring-offload", ROOMY, 0))
+    with pytest.raises(ValueError, match="an offloading mode needs a CPU tier"):
+        run_cell(Cell(SHAPE, "ring-today", ROOMY, CPU_TIER))
+
+
+def test_offloading_needs_the_connector_in_the_config():
+    setup = SHAPE.deployment(ROOMY, cache_ring=False)
+    with pytest.raises(TypeError, match="not vLLM's OffloadingConnector: enable_offloading"):
+        Offloading(make_scheduler(build_vllm_config(setup), setup, ring=True))
