@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The offloading modes of ``ringkv bench load``: vLLM's ``OffloadingConnector`` (its scheduler side, and its worker
 side over a worker that copies nothing) beside the prefix cache in the no-model simulation, on a tiny shape (the
-chat workload's first 3 conversations, W 64, one 64-token target group) at a pool too small to keep the
+chat workload's first 3 conversations, W 256, one 64-token target group) at a pool too small to keep the
 conversations' prefixes cached and at a roomy one."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from ringkv.bench.load import LoadOptions
 
 pytestmark = pytest.mark.vllm
 
-SHAPE = LoadOptions(window=64, target_groups=1, target_kv_block_size=64, max_num_batched_tokens=1024,
+SHAPE = LoadOptions(window=256, target_groups=1, target_kv_block_size=64, max_num_batched_tokens=1024,
                     max_num_seqs=8, conversations=3).shape("chat")  # fmt: skip
-TIGHT, ROOMY, CPU_TIER = 200, 800, 400  # pool blocks; the CPU tier in pool blocks
+TIGHT, ROOMY, CPU_TIER = 300, 800, 400  # pool blocks; the CPU tier in pool blocks
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +29,9 @@ def rows() -> dict[tuple[str, int], dict]:
             for mode, cpu in modes.items()}  # fmt: skip
 
 
-def test_the_tight_pool_evicts_the_ring_s_prefixes(rows):
-    """The precondition of the next tests: prefix caching alone loses cached target blocks at the tight pool (stock
-    even stops: a conversation's turn cannot be admitted)."""
-    assert rows["ring-today", TIGHT]["target_evictions"] > 0
-    assert "pool_too_small" in rows["stock", TIGHT]
+def test_the_tight_pool_evicts_cached_prefixes(rows):
+    """The precondition of the next tests: prefix caching alone loses cached target blocks at the tight pool."""
+    assert rows["ring-today", TIGHT]["target_evictions"] > 0 and rows["stock", TIGHT]["target_evictions"] > 0
 
 
 @pytest.mark.parametrize("mode", ["ring", "stock"])
@@ -41,8 +39,7 @@ def test_offloading_loads_what_the_pool_evicted_and_the_target_recomputes_less(r
     alone = rows[f"{mode}-today" if mode == "ring" else mode, TIGHT]
     offloaded = rows[f"{mode}-offload", TIGHT]
     assert offloaded["offload_loaded_tokens"] > 0 and offloaded["cpu_blocks"] == CPU_TIER
-    if "pool_too_small" not in alone:
-        assert offloaded["recomputed_tokens"] < alone["recomputed_tokens"]
+    assert offloaded["recomputed_tokens"] < alone["recomputed_tokens"]
 
 
 def test_the_ring_s_connector_answers_stay_within_the_rebuild_cap(rows):
