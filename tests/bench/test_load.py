@@ -26,7 +26,7 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 pytestmark = pytest.mark.vllm
 
 # The chat workload's first 3 conversations, W 64 (R = 6), one 64-token target group: a search of ~14 stock runs
-# and 6 cells (the three modes at the base pool, twice), each cell in a process of its own.
+# and 10 cells (the five modes at the base pool, twice), each cell in a process of its own.
 TINY = LoadOptions(
     workload=("chat",), pool_multiple=(1.0,), window=64, target_groups=1,
     target_kv_block_size=64, max_num_batched_tokens=1024, max_num_seqs=8, conversations=3,
@@ -42,7 +42,7 @@ def run(tmp_path_factory) -> tuple[str, dict[str, dict]]:
     text = (out / "load_w64_cpu.txt").read_text()
     assert command in text and "commit" in text and (out / "load_w64.png").stat().st_size > 10_000
     rows = [json.loads(line) for line in (out / "load_w64.jsonl").read_text().splitlines()]
-    assert [row["repeat"] for row in rows] == [1, 1, 1, 2, 2, 2]
+    assert [row["repeat"] for row in rows] == [1] * len(TINY.mode) + [2] * len(TINY.mode)
     return text, {row["mode"]: row for row in rows if row["repeat"] == 1}
 
 
@@ -91,6 +91,16 @@ def test_ring_cached_keeps_its_windows_in_the_cache(run):
     stock, today, cached = rows["stock"], rows["ring-today"], rows["ring-cached"]
     assert 0 < cached["unheld_drafter_blocks_end"] < stock["unheld_drafter_blocks_end"]
     assert cached["prefix_hit_tokens"] >= today["prefix_hit_tokens"]
+
+
+def test_the_offloading_rows_carry_a_cpu_tier_of_the_base_pool(run):
+    """--offload-multiple x the base pool for the offloading modes, none for the others; the table shows the tokens
+    they loaded (none here: the base pool keeps every prefix)."""
+    text, rows = run
+    tier = round(TINY.offload_multiple * rows["stock"]["base_pool"])
+    assert {mode: row["cpu_blocks"] for mode, row in rows.items()} == {
+        "stock": 0, "ring-today": 0, "ring-cached": 0, "stock-offload": tier, "ring-offload": tier}  # fmt: skip
+    assert "loaded from CPU" in text and rows["ring-offload"]["offload_loaded_tokens"] == 0
 
 
 def test_differing_repeats_names_the_cell():
@@ -158,9 +168,12 @@ def test_nearest_rank():
     ("flags", "message"),
     [
         pytest.param(["--workload", "code"], "--workload code is not one of chat, agentic", id="workload"),
-        pytest.param(["--mode", "ring"], "--mode ring is not one of stock, ring-today, ring-cached", id="mode"),
+        pytest.param(
+            ["--mode", "ring"], "--mode ring is not one of stock, ring-today, ring-cached, stock-offload", id="mode"
+        ),
         pytest.param(["--mode", "stock", "--mode", "stock"], "--mode names one twice", id="mode-twice"),
         pytest.param(["--pool-multiple", "0"], "every multiple must be > 0", id="pool-multiple"),
+        pytest.param(["--offload-multiple", "0"], "--offload-multiple 0.0 must be > 0", id="offload-multiple"),
         pytest.param(["--target-kv-block-size", "40"], "multiple of --drafter-kv-block-size", id="target-block"),
         pytest.param(["--repeats", "0"], "--repeats 0 must be >= 1", id="repeats"),
     ],
