@@ -10,7 +10,9 @@ neither stored nor loaded, and the target's recompute of the rest rebuilds the r
   before from the offload; stock's drafter (its sliding group offloaded by vLLM) beside the ring;
 - prefill/decode split: ``HostKVConnector`` through a directory, one engine as ``kv_producer`` (one token each),
   another as ``kv_consumer`` decoding the same prompts; request 1's load fails half-way (vLLM's request-level
-  load failure: recompute), request 2 is aborted while its load is in flight.
+  load failure: recompute), request 2 is aborted while its load is in flight; and a producer on stock's drafter
+  (another ring geometry: no ring at all, its sliding drafter group stored too) for a consumer on the ring, which
+  loads the target's groups only and rebuilds its ring.
 """
 
 from __future__ import annotations
@@ -76,22 +78,39 @@ def offload(chain_models) -> dict[str, EngineRun]:
             for name, changes in variants.items()}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def split(chain_models, tmp_path_factory) -> dict[str, EngineRun]:
-    """The producer (one token per prompt), then the consumer (the full reply) over one directory."""
-    path = str(tmp_path_factory.mktemp("host-kv"))
+def producer_spec(models, path: str, drafter_backend: str) -> EngineRunSpec:
+    """The split's producer: one token for each of the ``PD_PROMPTS``, its KV stored in ``path``."""
     generator = random.Random(4)
-    spec = EngineRunSpec(target=str(chain_models.target), drafter=str(chain_models.drafter), drafter_backend="ring",
+    return EngineRunSpec(target=str(models.target), drafter=str(models.drafter), drafter_backend=drafter_backend,
                          prompts=[tokens(generator, n) for n in PD_PROMPTS], max_tokens=1, kv_block_size=BLOCK,
                          max_num_batched_tokens=BATCHED_TOKENS,
                          extra_engine_args={"kv_transfer_config": host_transfer(path, "kv_producer")},
                          environment=RING_OUT_OF_THE_PREFIX_CACHE)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def split(chain_models, tmp_path_factory) -> dict[str, EngineRun]:
+    """The producer (one token per prompt), then the consumer (the full reply) over one directory."""
+    path = str(tmp_path_factory.mktemp("host-kv"))
+    spec = producer_spec(chain_models, path, "ring")
     producer = run_engine(spec, drafter_layers=layers(chain_models))
     consumer_transfer = host_transfer(path, "kv_consumer", fail_requests=[str(FAILED)], load_delay_steps=3)
     consumer = run_engine(replace(spec, max_tokens=REPLY, abort_after_tokens={str(ABORTED): 0},
                                   extra_engine_args={"kv_transfer_config": consumer_transfer}),
                           drafter_layers=layers(chain_models))  # fmt: skip
     return {"producer": producer, "consumer": consumer}
+
+
+@pytest.fixture(scope="module")
+def mixed(chain_models, tmp_path_factory) -> dict[str, EngineRun]:
+    """A producer on stock's drafter, a consumer on the ring, over one directory."""
+    path = str(tmp_path_factory.mktemp("host-kv-mixed"))
+    spec = producer_spec(chain_models, path, "stock")
+    producer = run_engine(spec, drafter_layers=layers(chain_models))
+    consumer = run_engine(replace(spec, drafter_backend="ring", max_tokens=REPLY,
+                                  extra_engine_args={"kv_transfer_config": host_transfer(path, "kv_consumer")}),
+                          drafter_layers=layers(chain_models))  # fmt: skip
+    return {"stock producer": producer, "ring consumer": consumer}
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +159,8 @@ def test_offloading_keeps_stocks_spec_decode_counters(offload):
     assert offload["ring"].spec_decode["drafts"] > 10
 
 
-def test_connector_runs_hold_at_most_r_ring_blocks_and_leak_none(offload, split):
-    for name, run in {**offload, **split}.items():
+def test_connector_runs_hold_at_most_r_ring_blocks_and_leak_none(offload, split, mixed):
+    for name, run in {**offload, **split, **mixed}.items():
         assert run.leaked_blocks == 0, name
         if run.spec.drafter_backend == "ring":
             assert run.scheduler["ring_blocks"] == RING_BLOCKS == 4, name
@@ -162,4 +181,15 @@ def test_the_consumer_recomputes_only_the_drafter_window_or_a_failed_load(split)
     assert hits[FAILED] == 0, "a failed load is recomputed from the start"
     for i in set(range(len(prompts))) - {FAILED, ABORTED}:
         n = len(prompts[i])
+        assert n - RECOMPUTE_BOUND <= hits[i] <= n - (WINDOW - 1), (i, hits[i], n)
+
+
+def test_a_ring_consumer_of_a_stock_producer_rebuilds_its_ring_and_decodes_exactly(mixed, reference):
+    """The producer's drafter KV (a sliding group, stored by position) is never loaded: the consumer loads the
+    target's groups only, capped as from a ring producer, and its tokens equal one engine's."""
+    consumer = mixed["ring consumer"]
+    hits = loaded(consumer)
+    for i, (prompt, got) in enumerate(zip(consumer.prompts, consumer.tokens, strict=True)):
+        assert got == reference[tuple(prompt)], i
+        n = len(prompt)
         assert n - RECOMPUTE_BOUND <= hits[i] <= n - (WINDOW - 1), (i, hits[i], n)
