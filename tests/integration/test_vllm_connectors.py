@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
+from ringkv.bench.lab.simulation.scheduler_run import write_model_config
 from ringkv.integration.vllm import patches, register
 from ringkv.integration.vllm.connectors import external_hit_cap, wrap_max_loadable_tokens
 from ringkv.integration.vllm.errors import RingConfigError
@@ -19,6 +20,7 @@ from ringkv.integration.vllm.kv_cache import RingSWASpec
 from ringkv.integration.vllm.planning import check_ring_config
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
+from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -62,6 +64,21 @@ def offloading(**extra) -> dict:
 )  # fmt: skip
 def test_connectors_made_safe_start(transfer):
     check_ring_config(connector_config(**transfer))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_model_config(tmp_path_factory.mktemp("model"), 4096)
+
+
+def test_kv_offloading_size_selects_offloading_connector_and_starts(model_dir):
+    """vLLM's own config for ``--kv-offloading-size 1`` (the native backend; ``--kv-offloading-backend lmcache``
+    fails inside vLLM's config without the lmcache package, and its connector lacks SupportsHMA)."""
+    config = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, max_model_len=4096, enforce_eager=True,
+                        kv_offloading_size=1.0).create_engine_config()  # fmt: skip
+    assert config.kv_transfer_config.kv_connector == "OffloadingConnector"
+    assert config.kv_transfer_config.kv_connector_extra_config["cpu_bytes_to_use"] == 1 << 30
+    check_ring_config(config)
 
 
 @pytest.mark.parametrize(
