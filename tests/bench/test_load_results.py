@@ -85,3 +85,36 @@ def test_gate_ring_cached_unheld_drafter_blocks_stay_within_r_per_conversation_w
         elif row["share_excess_peak"] > 0:
             over[pool] = ("a step between", row["share_excess_peak"])
     assert not over, f"pool: (unheld at the end, its bound, at the peak, its bound): {over}"
+
+
+# Issue 30's row: vLLM's OffloadingConnector beside the prefix cache, a CPU tier of --offload-multiple x the base pool
+def offload_pools(workload: str) -> list[int]:
+    rows = first_run(workload)
+    pools = sorted(pool for pool, mode in rows if mode == "ring-offload")
+    assert pools and all((pool, "ring-today") in rows and (pool, "stock-offload") in rows for pool in pools), (
+        "the run has no offloading rows"
+    )
+    return pools
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_offloading_never_costs_the_ring_recompute_and_loads_where_the_pool_evicts(workload):
+    """Ring-offload recomputes no more than ring-today at every pool, and loads from the CPU tier at the pools
+    where ring-today lost cached target blocks."""
+    rows = first_run(workload)
+    worse, idle = {}, []
+    for pool in offload_pools(workload):
+        offloaded, alone = rows[pool, "ring-offload"], rows[pool, "ring-today"]
+        if offloaded["recomputed_tokens"] > alone["recomputed_tokens"]:
+            worse[pool] = (offloaded["recomputed_tokens"], alone["recomputed_tokens"])
+        if alone["target_evictions"] and not offloaded["offload_loaded_tokens"]:
+            idle.append(pool)
+    assert not worse, f"pool: (ring-offload, ring-today) recomputed tokens: {worse}"
+    assert not idle, f"pools where ring-today evicted and ring-offload loaded nothing: {idle}"
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_the_ring_s_connector_never_offered_past_the_rebuild_cap(workload):
+    rows = first_run(workload)
+    past = {pool: rows[pool, "ring-offload"]["offload_offers_past_cap"] for pool in offload_pools(workload)}
+    assert not any(past.values()), past
