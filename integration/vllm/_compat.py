@@ -85,7 +85,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_group_id, resolve_block_hashes
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
-from vllm.v1.kv_cache_interface import SlidingWindowSpec, replace_as
+from vllm.v1.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec, replace_as
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 
@@ -127,7 +127,9 @@ def worker_class() -> type:
 def hybrid_coordinator_class() -> type:
     """vLLM's ``HybridKVCacheCoordinator``: ``find_longest_cache_hit(block_hashes, max_cache_hit_length)``, asked by
     ``KVCacheManager.get_computed_blocks`` with ``request.num_tokens - 1``; groups whose spec is not
-    ``prefix_cacheable`` take no part in the lookup (0.32 to 0.34)."""
+    ``prefix_cacheable`` take no part in the lookup. ``find_longest_cache_hit_per_group`` (same arguments) asks
+    every group's finder alone: ``OffloadingConnector._max_loadable_tokens`` bounds its load by it with
+    ``request.num_tokens - 1`` (0.32 to 0.34)."""
     from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
 
     return HybridKVCacheCoordinator
@@ -259,6 +261,7 @@ __all__ = [
     "AttentionType",
     "CommonAttentionMetadata",
     "KVCacheBlock",
+    "KVCacheGroupSpec",
     "KVCacheSpecRegistry",
     "MultipleOf",
     "SlidingWindowManager",

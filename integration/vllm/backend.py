@@ -6,17 +6,14 @@ module imports this one to select it."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from ._compat import SlidingWindowSpec, get_current_vllm_config_or_none, init_logger
+from ._compat import SlidingWindowSpec, get_current_vllm_config_or_none
 from .capabilities import RingKVCapabilities
 from .impl import RingKVImpl
 from .kv_cache import to_ring_spec
 from .metadata import RingKVMetadataBuilder
 from .planning import check_ring_config, drafter_max_len_from_config, lookahead_from_config
-
-logger = init_logger(__name__)
 
 BACKEND_NAME = "RINGKV"
 
@@ -50,11 +47,4 @@ class RingKVBackend(RingKVCapabilities):
         vllm_config = get_current_vllm_config_or_none()
         if vllm_config is not None:
             check_ring_config(vllm_config)
-        connector = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector", None) is not None
-        if connector and os.environ.get("RINGKV_RING_PREFIX_CACHE") is None:
-            logger.warning_once(
-                "ringkv: a KV connector is configured, so the ring's windows stay out of the prefix cache "
-                "(RINGKV_RING_PREFIX_CACHE defaults to 0 with a connector): every hit is capped at N - (W - 1)"
-            )
-        return to_ring_spec(spec, lookahead_from_config(vllm_config), drafter_max_len_from_config(vllm_config),
-                            kv_connector=connector)  # fmt: skip
+        return to_ring_spec(spec, lookahead_from_config(vllm_config), drafter_max_len_from_config(vllm_config))

@@ -88,9 +88,9 @@ def ring_hit(
     num_tokens = LOOKUP_TOKENS.get()
     if num_tokens is None:
         raise RingConfigError(
-            "ringkv: a cached ring group was looked up outside HybridKVCacheCoordinator.find_longest_cache_hit, so "
-            "the request's length is unknown; register the plugin (ringkv.integration.vllm.register) before vLLM "
-            "builds its scheduler, or set RINGKV_RING_PREFIX_CACHE=0"
+            "ringkv: a cached ring group was looked up outside HybridKVCacheCoordinator.find_longest_cache_hit "
+            "(or _per_group), so the request's length is unknown; register the plugin "
+            "(ringkv.integration.vllm.register) before vLLM builds its scheduler, or set RINGKV_RING_PREFIX_CACHE=0"
         )
     block_size = spec.block_size
     candidate = (max_length - (block_size if drop_eagle_block else 0)) // block_size

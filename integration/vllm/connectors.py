@@ -5,19 +5,24 @@ A ring group keeps no K/V a connector could move (its blocks are overwritten in 
 ``ring[j mod R]``, so most entries of a long row name blocks that now hold later positions). What a connector
 may do is what a prefix hit does (``prefix_cache``): give the target's groups a prefix, at most
 ``N - (W - 1)`` tokens of a request of N, so that the target's recompute of the rest rebuilds every ring.
-Two things make a connector safe, both decided in its own source, and the ring's windows must stay out of vLLM's
-prefix cache (``RINGKV_RING_PREFIX_CACHE=0``: with it on, the ring group is prefix-cacheable and connectors would
-move it by row position; ``check_connector`` refuses that naming the switch):
+Three things make a connector safe:
 
-- it never stores or loads a ring group: the ring's spec is not ``prefix_cacheable``, and vLLM's
-  ``OffloadingConnector`` offloads only ``kv_cache_config.prefix_cacheable_group_ids`` (``get_offloading_group_ids``,
-  0.32 to 0.34), so it never sees the ring's row;
+- no ring group takes part in KV transfer: ``wrap_group_spec_init`` (a ``patches.PATCHES`` entry) sets vLLM's
+  ``KVCacheGroupSpec.enable_kv_transfer`` to False for every ring group, so it leaves
+  ``KVCacheConfig.transfer_group_ids`` and ``prefix_cacheable_group_ids`` (0.32 to 0.34), the groups vLLM's
+  connectors store, load or move, while vLLM's local prefix cache keeps asking the spec (a cached ring's windows,
+  ``RINGKV_RING_PREFIX_CACHE``, stay in it). vLLM's ``OffloadingConnector`` offloads only
+  ``prefix_cacheable_group_ids`` (``get_offloading_group_ids``), and bounds its load by the local hit of every
+  prefix-cacheable group it does not offload (``_bounding_group_ids``): a cached ring's, through
+  ``HybridKVCacheCoordinator.find_longest_cache_hit_per_group`` (wrapped as ``find_longest_cache_hit`` is);
+- it reads the groups it moves from those ids, never from the spec alone (the connector's own source decides);
 - its external hit is capped *inside its own answer* (``get_num_new_matched_tokens``): ``OffloadingConnector``
   remembers the boundary it offered and asserts it in ``update_state_after_alloc``, so the scheduler's number
   cannot be lowered afterwards. Its answer is bounded by ``_max_loadable_tokens`` (0.32 to 0.34), which
-  ``wrap_max_loadable_tokens`` (a ``patches.PATCHES`` entry) bounds by ``external_hit_cap``.
+  ``wrap_max_loadable_tokens`` (a ``patches.PATCHES`` entry) bounds by ``external_hit_cap``. A cached ring is
+  capped too: its windows cover what the local cache holds, not what a connector loads beyond it.
 
-Connectors outside vLLM declare both by setting ``RING_SAFE_ATTRIBUTE`` on their class; they call
+Connectors outside vLLM declare the last two by setting ``RING_SAFE_ATTRIBUTE`` on their class; they call
 ``external_hit_cap`` in ``get_num_new_matched_tokens`` themselves (``ringkv.bench.lab.e2e.kv_transfer`` does).
 ``check_connector`` (from ``planning.check_ring_config``) refuses every other connector at startup, naming the fix.
 """
@@ -37,7 +42,7 @@ from ._compat import (
     supports_hma,
 )
 from .errors import RingConfigError
-from .kv_cache import RingSWASpec, ring_prefix_cache_enabled
+from .kv_cache import RingSWASpec, is_ring_spec
 
 # a connector class attribute: True = it loads no ring group and caps its hits with external_hit_cap
 RING_SAFE_ATTRIBUTE = "ringkv_ring_safe"
@@ -52,6 +57,18 @@ def external_hit_cap(kv_cache_groups: Iterable[Any], num_tokens: int, num_comput
         return None
     cap = min(longest_rebuilding_prefix_hit(num_tokens, window) for window in windows)
     return max(0, cap - num_computed_tokens)
+
+
+def wrap_group_spec_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's ``KVCacheGroupSpec.__init__``, with ``enable_kv_transfer = False`` for a ring group (see the module
+    docstring); every other group as vLLM makes it."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if is_ring_spec(self.kv_cache_spec):
+            self.enable_kv_transfer = False
+
+    return __init__
 
 
 def wrap_max_loadable_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -125,12 +142,4 @@ def check_connector(vllm_config: VllmConfig, target_sliding_on_ring: bool) -> No
             "MultiConnector when every child is one), a connector that sets "
             f"{RING_SAFE_ATTRIBUTE} = True and caps its hits with ringkv.integration.vllm.connectors."
             "external_hit_cap, or remove --kv-transfer-config."
-        )
-    if ring_prefix_cache_enabled(kv_connector=True):
-        raise RingConfigError(
-            f"ringkv: the KV connector {name} would store and load the ring group by row position: with "
-            "RINGKV_RING_PREFIX_CACHE=1 set the ring's blocks are prefix-cacheable, which is what vLLM's "
-            "connectors move, and a ring row names blocks overwritten since. Unset it (with a connector it defaults "
-            "to 0: every hit, local or the connector's, capped so the target rebuilds the window), or remove "
-            "--kv-transfer-config / --kv-offloading-size."
         )

@@ -96,14 +96,10 @@ class RingSWASpec(SlidingWindowSpec):
         return blocks * self.page_size_bytes
 
 
-def ring_prefix_cache_enabled(kv_connector: bool = False) -> bool:
-    """``RINGKV_RING_PREFIX_CACHE``: ``1`` puts the ring's blocks in vLLM's prefix cache, ``0`` keeps every hit
-    capped so the target rebuilds the window; unset, ``1`` unless a KV connector is configured (``kv_connector``:
-    connectors move every prefix-cacheable group, so the ring stays out; ``connectors.check_connector`` refuses an
-    explicit ``1`` with one). Any other value is refused."""
-    value = os.environ.get("RINGKV_RING_PREFIX_CACHE")
-    if value is None:
-        return not kv_connector
+def ring_prefix_cache_enabled() -> bool:
+    """``RINGKV_RING_PREFIX_CACHE``: ``1`` (the default) puts the ring's blocks in vLLM's prefix cache, ``0`` keeps
+    every hit capped so the target rebuilds the window. Any other value is refused."""
+    value = os.environ.get("RINGKV_RING_PREFIX_CACHE", "1")
     if value not in ("0", "1"):
         raise RingConfigError(
             f"ringkv: RINGKV_RING_PREFIX_CACHE={value!r}; set it to 1 (the ring's windows in the prefix cache, the "
@@ -112,16 +108,24 @@ def ring_prefix_cache_enabled(kv_connector: bool = False) -> bool:
     return value == "1"
 
 
-def to_ring_spec(spec: Any, lookahead: int, drafter_max_len: int = 0, kv_connector: bool = False) -> Any:
+def is_ring_spec(spec: Any) -> bool:
+    """A ``RingSWASpec``, or vLLM's ``UniformTypeKVCacheSpecs`` of them (``kv_cache_specs``, per layer)."""
+    layers = getattr(spec, "kv_cache_specs", None)
+    return isinstance(spec, RingSWASpec) or (
+        isinstance(layers, dict) and any(isinstance(layer, RingSWASpec) for layer in layers.values())
+    )
+
+
+def to_ring_spec(spec: Any, lookahead: int, drafter_max_len: int = 0) -> Any:
     """Turn a ``SlidingWindowSpec`` into a ``RingSWASpec`` planned for ``lookahead`` (and ``drafter_max_len``), its
-    ``cache_ring`` from ``ring_prefix_cache_enabled(kv_connector)`` (other specs pass through; a ring spec is
-    re-planned only while unplanned)."""
+    ``cache_ring`` from ``ring_prefix_cache_enabled()`` (other specs pass through; a ring spec is re-planned only
+    while unplanned)."""
     if isinstance(spec, RingSWASpec):
         if spec.lookahead != UNPLANNED or lookahead == UNPLANNED:
             return spec
     elif not isinstance(spec, SlidingWindowSpec):
         return spec
-    return replace_as(spec, RingSWASpec, lookahead=lookahead, cache_ring=ring_prefix_cache_enabled(kv_connector),
+    return replace_as(spec, RingSWASpec, lookahead=lookahead, cache_ring=ring_prefix_cache_enabled(),
                       drafter_max_len=drafter_max_len)  # fmt: skip
 
 

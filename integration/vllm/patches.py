@@ -23,7 +23,7 @@ from packaging.version import Version
 from . import _compat
 from ._compat import AttentionBackendEnum, KVCacheSpecRegistry
 from .cached_ring import evict_windows_first
-from .connectors import wrap_max_loadable_tokens
+from .connectors import wrap_group_spec_init, wrap_max_loadable_tokens
 from .kv_cache import RingSWAManager, RingSWASpec
 from .names import BACKEND_PATH, CPU_SLIDING_BACKEND_PATH
 from .planning import wrap_get_kv_cache_spec
@@ -163,6 +163,18 @@ PATCHES: tuple[Patch, ...] = (
         "ring's finder the request's length.",
     ),
     Wrap(
+        owner_name="HybridKVCacheCoordinator", owner=_compat.hybrid_coordinator_class,
+        attribute="find_longest_cache_hit_per_group", wrapper=wrap_find_longest_cache_hit,
+        why="The same for the per-group lookup vLLM's KV offloading bounds its load by (a cached ring is one of the "
+        "groups that bound it).",
+    ),
+    Wrap(
+        owner_name="KVCacheGroupSpec", owner=lambda: _compat.KVCacheGroupSpec, attribute="__init__",
+        wrapper=wrap_group_spec_init,
+        why="Keeps every ring group out of KV transfer (enable_kv_transfer=False): no connector stores, loads or moves "
+        "a ring, whose row names blocks overwritten since; a cached ring stays in the local prefix cache.",
+    ),
+    Wrap(
         owner_name="KVCacheManager", owner=_compat.kv_cache_manager_class, attribute="free", wrapper=wrap_free,
         why="Hashes a freed request's ring window (the blocks a later turn adopts) and frees it before the target's "
         "blocks.",
@@ -177,8 +189,7 @@ PATCHES: tuple[Patch, ...] = (
         owner_name="OffloadingConnector", owner=_compat.offloading_connector_class,
         attribute="_max_loadable_tokens", wrapper=wrap_max_loadable_tokens,
         why="Caps what vLLM's KV offloading loads, inside the connector's own answer, so recomputing the rest "
-        "rebuilds every ring's window (the ring group is never offloaded: connectors are refused while it is "
-        "prefix-cacheable, RINGKV_RING_PREFIX_CACHE=1).",
+        "rebuilds every ring's window (the ring group itself is never offloaded: it takes no part in KV transfer).",
     ),
     Wrap(
         owner_name="DFlashSpeculator", owner=_compat.dflash_speculator_class, attribute="_precompute_context_kv",

@@ -41,8 +41,9 @@ def ring_hit_cap(kv_cache_groups: Iterable[Any], num_tokens: int) -> int:
 
 
 def wrap_find_longest_cache_hit(original: Callable[..., Any]) -> Callable[..., Any]:
-    """vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` capped at ``ring_hit_cap``, with the request's
-    length in ``cached_ring.LOOKUP_TOKENS`` for the cached rings' finder.
+    """vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` (and ``find_longest_cache_hit_per_group``, the
+    same arguments) capped at ``ring_hit_cap``, with the request's length in ``cached_ring.LOOKUP_TOKENS`` for the
+    cached rings' finder.
 
     vLLM asks with ``max_cache_hit_length = request.num_tokens - 1`` (the last prompt token is always
     recomputed for its logits); a smaller bound from another caller only makes the cap stricter."""

@@ -33,17 +33,13 @@ SHAPE = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 32, "dtype": torch
 HOST = {"kv_connector": "HostKVConnector", "kv_connector_module_path": "ringkv.bench.lab.e2e.kv_transfer"}
 
 
-@pytest.fixture(autouse=True)
-def rings_out_of_the_prefix_cache(monkeypatch):
-    """Connectors are served with the ring's windows out of vLLM's prefix cache (``check_connector``)."""
-    monkeypatch.setenv("RINGKV_RING_PREFIX_CACHE", "0")
-
-
-def kv_cache_config(pool_blocks: int = 256) -> KVCacheConfig:
+def kv_cache_config(pool_blocks: int = 256, cache_ring: bool = False) -> KVCacheConfig:
+    """A full-attention group and a ring group, made after ``register()`` (its ``KVCacheGroupSpec`` wrap)."""
+    register()
     groups = [
         KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(**SHAPE)),
         KVCacheGroupSpec(["model.layers.1.self_attn.attn"],
-                         RingSWASpec(**SHAPE, sliding_window=WINDOW, lookahead=LOOKAHEAD)),
+                         RingSWASpec(**SHAPE, sliding_window=WINDOW, lookahead=LOOKAHEAD, cache_ring=cache_ring)),
     ]  # fmt: skip
     return KVCacheConfig(num_blocks=pool_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
@@ -112,32 +108,52 @@ def test_any_connector_is_refused_with_the_targets_sliding_layers_on_the_ring():
         check_ring_config(config)
 
 
-def test_a_connector_is_refused_while_the_rings_windows_are_in_the_prefix_cache(monkeypatch):
-    """With RINGKV_RING_PREFIX_CACHE=1 the ring group is prefix-cacheable: vLLM's connectors would move its row."""
-    monkeypatch.setenv("RINGKV_RING_PREFIX_CACHE", "1")
-    with pytest.raises(RingConfigError, match=r"RINGKV_RING_PREFIX_CACHE=1 set .* Unset it"):
-        check_ring_config(connector_config(**offloading()))
-    cached = KVCacheGroupSpec(["l"], RingSWASpec(**SHAPE, sliding_window=WINDOW, lookahead=LOOKAHEAD, cache_ring=True))
-    assert external_hit_cap([cached], 400, 0) == 337, "a cached ring's window is not moved either: the same cap"
-
-
-def test_with_a_connector_the_switch_defaults_to_off(monkeypatch):
-    """Unset, RINGKV_RING_PREFIX_CACHE keeps the ring's windows out of the prefix cache when a KV connector is
-    configured (and in it otherwise); the connector check then accepts."""
+@pytest.mark.parametrize("switch", [None, "1", "0"])
+def test_connectors_are_served_beside_the_rings_windows_in_the_prefix_cache_or_without(monkeypatch, switch):
+    """RINGKV_RING_PREFIX_CACHE keeps its default (1) with a connector: no ring group takes part in KV transfer, so
+    no connector moves a cached ring's windows either; its hits are capped all the same."""
     from ringkv.integration.vllm.kv_cache import to_ring_spec
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-    monkeypatch.delenv("RINGKV_RING_PREFIX_CACHE")
+    if switch is None:
+        monkeypatch.delenv("RINGKV_RING_PREFIX_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("RINGKV_RING_PREFIX_CACHE", switch)
     check_ring_config(connector_config(**offloading()))
-    sliding = SlidingWindowSpec(**SHAPE, sliding_window=WINDOW)
-    assert not to_ring_spec(sliding, LOOKAHEAD, kv_connector=True).cache_ring
-    assert to_ring_spec(sliding, LOOKAHEAD).cache_ring
+    cached = to_ring_spec(SlidingWindowSpec(**SHAPE, sliding_window=WINDOW), LOOKAHEAD).cache_ring
+    assert cached == (switch != "0")
+    ring_group = KVCacheGroupSpec(["l"], RingSWASpec(**SHAPE, sliding_window=WINDOW, lookahead=LOOKAHEAD,
+                                                     cache_ring=cached))  # fmt: skip
+    assert external_hit_cap([ring_group], 400, 0) == 337
 
 
-def test_offloading_never_sees_the_ring_group():
-    """vLLM's OffloadingConnector offloads only prefix-cacheable groups: the ring's row (entries for positions
-    overwritten since) is never stored or loaded by row position."""
-    assert get_offloading_group_ids(kv_cache_config()) == (0,)
+@pytest.mark.parametrize("cache_ring", [False, True], ids=["ring", "cached ring"])
+def test_no_ring_group_takes_part_in_kv_transfer(cache_ring):
+    """Every ring group leaves vLLM's transfer set (``enable_kv_transfer``), so vLLM's OffloadingConnector offloads
+    the target's group alone and never a ring's row (entries for positions overwritten since); a cached ring stays
+    prefix-cacheable for the local cache."""
+    config = kv_cache_config(cache_ring=cache_ring)
+    full, ring = config.kv_cache_groups
+    assert full.enable_kv_transfer and not ring.enable_kv_transfer
+    assert ring.kv_cache_spec.prefix_cacheable == cache_ring
+    assert config.transfer_group_ids == config.prefix_cacheable_group_ids == get_offloading_group_ids(config) == (0,)
+    assert patches.entry("KVCacheGroupSpec.__init__").installs() == 1
+
+
+def test_a_cached_ring_bounds_offloading_no_lower_than_the_cap():
+    """OffloadingConnector bounds its load by every prefix-cacheable group it does not offload, a cached ring's
+    hit through ``find_longest_cache_hit_per_group``: the ring's finder answers there (the request's length comes
+    from ringkv's wrap) with at least the rebuild cap, so the cap stays the bound."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    kv = KVCacheManager(kv_cache_config(cache_ring=True), max_model_len=4096, scheduler_block_size=BLOCK,
+                        hash_block_size=BLOCK, max_in_flight_tokens=4096, enable_caching=True)  # fmt: skip
+    init_none_hash(sha256)
+    req = Request("r", list(range(3, 403)), SamplingParams(max_tokens=16), None,
+                  block_hasher=get_request_block_hasher(BLOCK, sha256))  # fmt: skip
+    _, hits = kv.coordinator.find_longest_cache_hit_per_group(req.block_hashes, req.num_tokens - 1)
+    assert hits[0] == 0 and hits[1] >= 337 // BLOCK * BLOCK, hits
 
 
 # N = 400: the cap is N - (W - 1) = 337 tokens in all

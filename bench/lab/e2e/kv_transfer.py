@@ -10,7 +10,8 @@
   block of every prefix-cacheable group in a directory (``kv_connector_extra_config["path"]``), named by a hash
   chain over the prompt's tokens, so another engine finds it. A ``kv_producer`` stores what it prefilled; a
   ``kv_consumer`` loads asynchronously what it finds, capped by ``ringkv``'s ``external_hit_cap`` inside its own
-  answer; it never touches a ring group (not prefix-cacheable). Faults for the tests: ``fail_requests`` (request
+  answer; it moves ``kv_cache_config.prefix_cacheable_group_ids`` only, which never hold a ring group (ringkv takes
+  them out of KV transfer, cached or not). Faults for the tests: ``fail_requests`` (request
   names whose load copies only its first half, poisons the rest (``POISON``) and reports the request in
   ``failed_recving``: vLLM's request-level load failure, the one it supports with several KV groups) and
   ``load_delay_steps`` (steps a load stays in flight, so a request can be aborted mid-transfer).
@@ -137,7 +138,8 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.fail_requests = set(extra.get("fail_requests", ()))
         self.load_delay_steps = int(extra.get("load_delay_steps", 1))
         self.groups_all = kv_cache_config.kv_cache_groups
-        self.moved = [g for g, group in enumerate(self.groups_all) if group.kv_cache_spec.prefix_cacheable]
+        # the groups vLLM lets connectors store by hash (never a ring: it takes no part in KV transfer)
+        self.moved = list(kv_cache_config.prefix_cacheable_group_ids)
         sizes = {self.groups_all[g].kv_cache_spec.block_size for g in self.moved}
         if len(sizes) != 1:
             raise ValueError(f"HostKVConnector moves groups of one block size; got {sorted(sizes)}")
