@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 Row = dict[str, Any]
 WORKLOAD_NAMES = ("chat", "agentic")
-MODE_NAMES = ("stock", "ring-today", "ring-cached", "stock-offload", "ring-offload")
+MODE_NAMES = ("stock", "ring-today", "ring-cached", "stock-offload", "ring-offload", "ring-cached-offload")
 # the module every cell's process needs, imported once by the fork server
 CELL_MODULE = "ringkv.bench.lab.simulation.cells"
 

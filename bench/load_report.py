@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     from .load import LoadOptions
 
 Row = dict[str, Any]
-MODE_COLORS = {"stock": "tab:red", "ring-today": "tab:blue", "ring-cached": "tab:green",
-               "stock-offload": "tab:orange", "ring-offload": "tab:purple"}  # fmt: skip
+MODE_COLORS = {"stock": "tab:red", "ring-today": "tab:blue", "ring-cached": "tab:green", "stock-offload": "tab:orange",
+               "ring-offload": "tab:purple", "ring-cached-offload": "tab:olive"}  # fmt: skip
 
 
 def pair(row: Row, first: str, second: str, spec: str = ",") -> str:

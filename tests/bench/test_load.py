@@ -26,7 +26,7 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 pytestmark = pytest.mark.vllm
 
 # The chat workload's first 3 conversations, W 64 (R = 6), one 64-token target group: a search of ~14 stock runs
-# and 10 cells (the five modes at the base pool, twice), each cell in a process of its own.
+# and 12 cells (the six modes at the base pool, twice), each cell in a process of its own.
 TINY = LoadOptions(
     workload=("chat",), pool_multiple=(1.0,), window=64, target_groups=1,
     target_kv_block_size=64, max_num_batched_tokens=1024, max_num_seqs=8, conversations=3,
@@ -99,7 +99,8 @@ def test_the_offloading_rows_carry_a_cpu_tier_of_the_base_pool(run):
     text, rows = run
     tier = round(TINY.offload_multiple * rows["stock"]["base_pool"])
     assert {mode: row["cpu_blocks"] for mode, row in rows.items()} == {
-        "stock": 0, "ring-today": 0, "ring-cached": 0, "stock-offload": tier, "ring-offload": tier}  # fmt: skip
+        "stock": 0, "ring-today": 0, "ring-cached": 0, "stock-offload": tier, "ring-offload": tier,
+        "ring-cached-offload": tier}  # fmt: skip
     assert "loaded from CPU" in text and rows["ring-offload"]["offload_loaded_tokens"] == 0
 
 

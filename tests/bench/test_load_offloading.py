@@ -24,7 +24,8 @@ TIGHT, ROOMY, CPU_TIER = 300, 800, 400  # pool blocks; the CPU tier in pool bloc
 
 @pytest.fixture(scope="module")
 def rows() -> dict[tuple[str, int], dict]:
-    modes = {"stock": 0, "ring-today": 0, "stock-offload": CPU_TIER, "ring-offload": CPU_TIER}
+    modes = {"stock": 0, "ring-today": 0, "ring-cached": 0, "stock-offload": CPU_TIER, "ring-offload": CPU_TIER,
+             "ring-cached-offload": CPU_TIER}  # fmt: skip
     return {(mode, pool): run_cell(Cell(SHAPE, mode, pool, cpu)) for pool in (TIGHT, ROOMY)
             for mode, cpu in modes.items()}  # fmt: skip
 
@@ -34,24 +35,35 @@ def test_the_tight_pool_evicts_cached_prefixes(rows):
     assert rows["ring-today", TIGHT]["target_evictions"] > 0 and rows["stock", TIGHT]["target_evictions"] > 0
 
 
-@pytest.mark.parametrize("mode", ["ring", "stock"])
-def test_offloading_loads_what_the_pool_evicted_and_the_target_recomputes_less(rows, mode):
-    alone = rows[f"{mode}-today" if mode == "ring" else mode, TIGHT]
-    offloaded = rows[f"{mode}-offload", TIGHT]
+@pytest.mark.parametrize(("alone", "offloaded"), [("ring-today", "ring-offload"), ("stock", "stock-offload"),
+                                                  ("ring-cached", "ring-cached-offload")])  # fmt: skip
+def test_offloading_loads_what_the_pool_evicted_and_the_target_recomputes_less(rows, alone, offloaded):
+    alone, offloaded = rows[alone, TIGHT], rows[offloaded, TIGHT]
     assert offloaded["offload_loaded_tokens"] > 0 and offloaded["cpu_blocks"] == CPU_TIER
     assert offloaded["recomputed_tokens"] < alone["recomputed_tokens"]
 
 
-def test_the_ring_s_connector_answers_stay_within_the_rebuild_cap(rows):
-    """Every ``OffloadingConnector`` answer of the ring deployment ends at or below ``N - (W - 1)`` with the local hit
-    (ringkv's ``_max_loadable_tokens`` wrap), while loading."""
-    ring = rows["ring-offload", TIGHT]
+@pytest.mark.parametrize("mode", ["ring-offload", "ring-cached-offload"])
+def test_the_ring_s_connector_answers_stay_within_the_rebuild_cap(rows, mode):
+    """Every ``OffloadingConnector`` answer of a ring deployment, its windows cached or not, ends at or below
+    ``N - (W - 1)`` with the local hit (ringkv's ``_max_loadable_tokens`` wrap), while loading."""
+    ring = rows[mode, TIGHT]
     assert ring["offload_loaded_tokens"] > 0 and ring["offload_offers_past_cap"] == 0
+
+
+def test_offloading_and_the_cached_ring_together_recompute_least(rows):
+    """The CPU tier returns what the pool evicted, the cached windows save the rebuild where the pool kept them."""
+    recomputed = {mode: rows[mode, TIGHT]["recomputed_tokens"] for mode in ("ring-cached", "ring-offload")}
+    assert rows["ring-cached-offload", TIGHT]["recomputed_tokens"] < min(recomputed.values()), recomputed
 
 
 def test_a_roomy_pool_loads_nothing_and_offloading_changes_no_count(rows):
     """Where the pool keeps every prefix, the CPU tier is never read: the rows equal prefix caching alone's."""
-    for alone, offloaded in (("stock", "stock-offload"), ("ring-today", "ring-offload")):
+    for alone, offloaded in (
+        ("stock", "stock-offload"),
+        ("ring-today", "ring-offload"),
+        ("ring-cached", "ring-cached-offload"),
+    ):
         expected = {k: v for k, v in rows[alone, ROOMY].items() if k not in ("mode", "cpu_blocks")}
         got = {k: v for k, v in rows[offloaded, ROOMY].items() if k not in ("mode", "cpu_blocks")}
         assert got == expected

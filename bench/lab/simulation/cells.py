@@ -29,8 +29,7 @@ from .workloads import WORKLOADS, Conversation, conversations
 @dataclass(frozen=True)
 class Mode:
     """A drafter mode: the drafter on the ring; the ring's blocks in the prefix cache (``RingSWASpec.cache_ring``);
-    vLLM's ``OffloadingConnector`` beside the prefix cache (``offloading.py``; with a connector the ring's blocks
-    stay out of the prefix cache, ``RINGKV_RING_PREFIX_CACHE``'s default then)."""
+    vLLM's ``OffloadingConnector`` beside the prefix cache (``offloading.py``)."""
 
     ring: bool
     cache_ring: bool = False
@@ -40,6 +39,7 @@ class Mode:
 MODES = {
     "stock": Mode(ring=False), "ring-today": Mode(ring=True), "ring-cached": Mode(ring=True, cache_ring=True),
     "stock-offload": Mode(ring=False, offload=True), "ring-offload": Mode(ring=True, offload=True),
+    "ring-cached-offload": Mode(ring=True, cache_ring=True, offload=True),
 }  # fmt: skip
 
 
