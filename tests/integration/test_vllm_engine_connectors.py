@@ -7,7 +7,9 @@ neither stored nor loaded, and the target's recompute of the rest rebuilds the r
 
 - offloading: vLLM's ``OffloadingConnector`` with the test-only CPU spec (``bench/lab/e2e/kv_transfer.py``), GPU
   prefix caching off (the pool keeps no prefix): a conversation's turns 2 and 3 load the target's KV of the turn
-  before from the offload; stock's drafter (its sliding group offloaded by vLLM) beside the ring;
+  before from the offload; stock's drafter (its sliding group offloaded by vLLM) beside the ring; and both again with
+  GPU prefix caching on, the ring's windows in it (``RINGKV_RING_PREFIX_CACHE``'s default, kept with a connector):
+  the local cache serves the turns, the cached ring past the rebuild cap, while the connector offloads beside it;
 - prefill/decode split: ``HostKVConnector`` through a directory, one engine as ``kv_producer`` (one token each),
   another as ``kv_consumer`` decoding the same prompts; request 1's load fails half-way (vLLM's request-level
   load failure: recompute), request 2 is aborted while its load is in flight; and a producer on stock's drafter
@@ -73,7 +75,9 @@ def layers(models) -> list[str]:
 def offload(chain_models) -> dict[str, EngineRun]:
     assert chain_models.spec == MODELS
     spec = offloading_spec(chain_models)
-    variants = {"ring": {}, "stock": {"drafter_backend": "stock"}}
+    cached = {"enable_prefix_caching": True, "environment": {}}
+    variants = {"ring": {}, "stock": {"drafter_backend": "stock"}, "ring cached": cached,
+                "stock cached": {**cached, "drafter_backend": "stock"}}  # fmt: skip
     return {name: run_engine(replace(spec, **changes), drafter_layers=layers(chain_models))
             for name, changes in variants.items()}  # fmt: skip
 
@@ -156,7 +160,17 @@ def test_offloaded_turns_reload_all_but_the_drafter_window_and_tokens_match(offl
 
 def test_offloading_keeps_stocks_spec_decode_counters(offload):
     assert offload["ring"].spec_decode == offload["stock"].spec_decode
+    assert offload["ring cached"].spec_decode == offload["stock cached"].spec_decode
     assert offload["ring"].spec_decode["drafts"] > 10
+
+
+def test_beside_a_connector_the_cached_ring_hits_past_the_rebuild_cap(offload):
+    """With GPU prefix caching on and the ring's windows in it, a later turn adopts the window the turn before left
+    (turn 3 here: turn 2's hit stops at the cap, where the target's own cached blocks end), so its hit reaches past
+    N - (W - 1) with the connector configured; no turn reaches its last token."""
+    hits, prompts = loaded(offload["ring cached"]), offload["ring cached"].prompts
+    past = [turn for turn in (1, 2) if hits[turn] > len(prompts[turn]) - (WINDOW - 1)]
+    assert past and all(hits[turn] < len(prompts[turn]) for turn in (1, 2)), (hits, [len(p) for p in prompts])
 
 
 def test_connector_runs_hold_at_most_r_ring_blocks_and_leak_none(offload, split, mixed):
