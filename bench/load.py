@@ -32,6 +32,8 @@ WORKLOAD_NAMES = ("chat", "agentic")
 MODE_NAMES = ("stock", "ring-today", "ring-cached", "stock-offload", "ring-offload", "ring-cached-offload")
 # the module every cell's process needs, imported once by the fork server
 CELL_MODULE = "ringkv.bench.lab.simulation.cells"
+# the fork server's (hence every cell's) PYTHONHASHSEED
+HASH_SEED = "0"
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,23 @@ def _cell(cell: Cell) -> tuple[tuple[int, int], Row]:
 
 def measure(options: LoadOptions, on_cell: Callable[[], None] | None = None) -> tuple[list[Row], dict[str, Search]]:
     """Every repeat's rows (workload, repeat, pool, mode order) and each workload's search; each search and each
-    cell in a process of its own (checked: ``RuntimeError`` if two cells shared one)."""
+    cell in a process of its own (checked: ``RuntimeError`` if two cells shared one), all forked from a fork server
+    started with ``PYTHONHASHSEED=HASH_SEED``."""
+    # every cell forks from the fork server and inherits its str/bytes hash seed: vLLM's offloading iterates sets of
+    # chunk keys (bytes), so without a pinned seed its rows could differ from one run of the command to the next
+    # (the server starts with this process's environment at the first submit, and then lives on)
+    caller_seed = os.environ.get("PYTHONHASHSEED")
+    os.environ["PYTHONHASHSEED"] = HASH_SEED
+    try:
+        return _measure(options, on_cell)
+    finally:
+        if caller_seed is None:
+            del os.environ["PYTHONHASHSEED"]
+        else:
+            os.environ["PYTHONHASHSEED"] = caller_seed
+
+
+def _measure(options: LoadOptions, on_cell: Callable[[], None] | None) -> tuple[list[Row], dict[str, Search]]:
     from ringkv.bench.lab.simulation.cells import MODES, Cell
 
     context = multiprocessing.get_context("forkserver")

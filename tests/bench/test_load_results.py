@@ -91,9 +91,9 @@ def test_gate_ring_cached_unheld_drafter_blocks_stay_within_r_per_conversation_w
 def offload_pools(workload: str) -> list[int]:
     rows = first_run(workload)
     pools = sorted(pool for pool, mode in rows if mode == "ring-offload")
-    assert pools and all((pool, "ring-today") in rows and (pool, "stock-offload") in rows for pool in pools), (
-        "the run has no offloading rows"
-    )
+    assert pools and all(
+        (pool, mode) in rows for pool in pools for mode in ("ring-today", "ring-cached", "ring-cached-offload")
+    ), "the run has no offloading rows"
     return pools
 
 
@@ -119,7 +119,16 @@ def test_offloading_never_costs_the_ring_recompute_and_saves_where_the_pool_cost
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)
+def test_the_cached_ring_with_offloading_never_recomputes_more_than_without(workload):
+    rows = first_run(workload)
+    pairs = {pool: tuple(rows[pool, mode]["recomputed_tokens"] for mode in ("ring-cached-offload", "ring-cached"))
+             for pool in offload_pools(workload)}  # fmt: skip
+    assert not {pool: pair for pool, pair in pairs.items() if pair[0] > pair[1]}, pairs
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
 def test_the_ring_s_connector_never_offered_past_the_rebuild_cap(workload):
     rows = first_run(workload)
-    past = {pool: rows[pool, "ring-offload"]["offload_offers_past_cap"] for pool in offload_pools(workload)}
+    past = {(pool, mode): rows[pool, mode]["offload_offers_past_cap"] for pool in offload_pools(workload)
+            for mode in ("ring-offload", "ring-cached-offload")}  # fmt: skip
     assert not any(past.values()), past
