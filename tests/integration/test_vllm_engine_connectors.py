@@ -166,8 +166,8 @@ def test_offloading_keeps_stocks_spec_decode_counters(offload):
 
 def test_beside_a_connector_the_cached_ring_hits_past_the_rebuild_cap(offload):
     """With GPU prefix caching on and the ring's windows in it, a later turn adopts the window the turn before left
-    (turn 3 here: turn 2's hit stops at the cap, where the target's own cached blocks end), so its hit reaches past
-    N - (W - 1) with the connector configured; no turn reaches its last token."""
+    (turn 3 here; turn 2's local hit ends where vLLM's EAGLE margin drops the last cached block, stock's drafter's
+    too), so its hit reaches past N - (W - 1) with the connector configured; no turn reaches its last token."""
     hits, prompts = loaded(offload["ring cached"]), offload["ring cached"].prompts
     past = [turn for turn in (1, 2) if hits[turn] > len(prompts[turn]) - (WINDOW - 1)]
     assert past and all(hits[turn] < len(prompts[turn]) for turn in (1, 2)), (hits, [len(p) for p in prompts])
