@@ -145,8 +145,10 @@ def block_pool_class() -> type:
 
 
 def kv_cache_manager_class() -> type:
-    """vLLM's ``KVCacheManager``: ``free(request)`` (the scheduler's one call for a finished, aborted or preempted
-    request's blocks; ``coordinator.single_type_managers``, ``max_model_len``) in 0.32 to 0.34."""
+    """vLLM's ``KVCacheManager``: ``free(request)`` (the scheduler's call for a finished, aborted or preempted
+    request's blocks; ``coordinator.single_type_managers``, ``max_model_len``) and ``pop_blocks_for_free(request)``
+    (its deferred twin, which the scheduler calls instead while a step in flight may still write the blocks: with a
+    KV consumer connector and overlapping batches, ``Scheduler.defer_block_free``) in 0.32 to 0.34."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     return KVCacheManager

@@ -183,11 +183,12 @@ def superseded_windows(manager: Any, request: Any, below: int) -> list[KVCacheBl
 _WINDOWS: weakref.WeakKeyDictionary[Any, dict[int, tuple[KVCacheBlock, int]]] = weakref.WeakKeyDictionary()
 
 
-def keep_windows(block_pool: Any, blocks: Sequence[KVCacheBlock], group_id: int) -> None:
-    """Record freed ring blocks that kept their hash (``release``), newest last."""
+def keep_windows(block_pool: Any, blocks: Sequence[KVCacheBlock], group_id: int, freed: bool = True) -> None:
+    """Record ring blocks that kept their hash, newest last: freed ones (``release``), or, with ``freed`` False,
+    ones vLLM returns to the pool a step later (``pop_blocks_for_free``; an entry read before that counts as stale)."""
     windows = _WINDOWS.setdefault(block_pool, {})
     for block in blocks:
-        if block.ref_cnt == 0 and block.block_hash is not None:
+        if (block.ref_cnt == 0 or not freed) and block.block_hash is not None:
             windows.pop(block.block_id, None)
             windows[block.block_id] = (block, group_id)
 

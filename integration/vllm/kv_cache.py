@@ -354,28 +354,31 @@ class RingSWAManager(SlidingWindowManager):
         self.steps.close(self.rings)
 
     def release(self, request: Any, max_model_len: int) -> None:
-        """Free a finished, aborted or preempted request's ring before vLLM frees its other groups; with
-        ``cache_ring``, first hash the window it holds and drop the hashes of the windows it supersedes
-        (``cached_ring.window_to_hash``, ``superseded_windows``)."""
+        """Free a finished, aborted or preempted request's ring before vLLM frees its other groups, its window
+        hashed first (``hash_window``)."""
+        ring = self.hash_window(request, max_model_len)
+        self.free(request.request_id)
+        keep_windows(self.block_pool, ring, self.kv_cache_group_id)
+
+    def hash_window(self, request: Any, max_model_len: int) -> list[KVCacheBlock]:
+        """With ``cache_ring``, hash the window a request being freed holds and drop the hashes of the windows it
+        supersedes (``cached_ring.window_to_hash``, ``superseded_windows``); its ring's blocks (none without)."""
         request_id = request.request_id
-        if self.enable_caching and self.kv_cache_spec.cache_ring and request_id in self.rings:
-            drafter_max_len = min(max_model_len, self.kv_cache_spec.drafter_max_len or max_model_len)
-            window = window_to_hash(self, request, drafter_max_len)
-            for block in superseded_windows(self, request, min(window, default=len(self.req_to_blocks[request_id]))):
-                self.block_pool._maybe_evict_cached_block(block)
-            hashable = uncached(self, request, window)
-            if hashable:
-                first, last = min(hashable), max(hashable)
-                self.block_pool.cache_full_blocks(
-                    request=request, blocks=self.req_to_blocks[request_id], num_cached_blocks=first,
-                    num_full_blocks=last + 1, block_size=self.block_size, kv_cache_group_id=self.kv_cache_group_id,
-                    block_mask=[j in hashable for j in range(first, last + 1)],
-                )  # fmt: skip
-            ring = [block for block in self.rings[request_id] if block is not None]
-            self.free(request_id)
-            keep_windows(self.block_pool, ring, self.kv_cache_group_id)
-            return
-        self.free(request_id)
+        if not (self.enable_caching and self.kv_cache_spec.cache_ring and request_id in self.rings):
+            return []
+        drafter_max_len = min(max_model_len, self.kv_cache_spec.drafter_max_len or max_model_len)
+        window = window_to_hash(self, request, drafter_max_len)
+        for block in superseded_windows(self, request, min(window, default=len(self.req_to_blocks[request_id]))):
+            self.block_pool._maybe_evict_cached_block(block)
+        hashable = uncached(self, request, window)
+        if hashable:
+            first, last = min(hashable), max(hashable)
+            self.block_pool.cache_full_blocks(
+                request=request, blocks=self.req_to_blocks[request_id], num_cached_blocks=first,
+                num_full_blocks=last + 1, block_size=self.block_size, kv_cache_group_id=self.kv_cache_group_id,
+                block_mask=[j in hashable for j in range(first, last + 1)],
+            )  # fmt: skip
+        return [block for block in self.rings[request_id] if block is not None]
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         """The distinct ring blocks (each once: the pool counts one reference per request), the newest logical

@@ -27,7 +27,7 @@ from .connectors import wrap_group_spec_init, wrap_max_loadable_tokens
 from .kv_cache import RingSWAManager, RingSWASpec
 from .names import BACKEND_PATH, CPU_SLIDING_BACKEND_PATH
 from .planning import wrap_get_kv_cache_spec
-from .prefix_cache import wrap_find_longest_cache_hit, wrap_free
+from .prefix_cache import wrap_find_longest_cache_hit, wrap_free, wrap_pop_blocks_for_free
 from .selection import env_selects_ring, wrap_create_speculative_config, wrap_get_attn_backend_cls
 from .speculator import wrap_precompute_context_kv
 from .versions import SUPPORTED
@@ -178,6 +178,12 @@ PATCHES: tuple[Patch, ...] = (
         owner_name="KVCacheManager", owner=_compat.kv_cache_manager_class, attribute="free", wrapper=wrap_free,
         why="Hashes a freed request's ring window (the blocks a later turn adopts) and frees it before the target's "
         "blocks.",
+    ),
+    Wrap(
+        owner_name="KVCacheManager", owner=_compat.kv_cache_manager_class, attribute="pop_blocks_for_free",
+        wrapper=wrap_pop_blocks_for_free,
+        why="The same for the deferred free vLLM uses with a KV consumer connector and overlapping batches (the "
+        "blocks return to the pool a step later).",
     ),
     Wrap(
         owner_name="BlockPool", owner=_compat.block_pool_class, attribute="get_new_blocks",

@@ -28,7 +28,7 @@ from typing import Any
 
 from ringkv.kernels.ring_geometry import longest_rebuilding_prefix_hit
 
-from .cached_ring import LOOKUP_TOKENS
+from .cached_ring import LOOKUP_TOKENS, keep_windows
 from .kv_cache import RingSWAManager, RingSWASpec
 
 
@@ -70,3 +70,21 @@ def wrap_free(original: Callable[..., Any]) -> Callable[..., Any]:
         original(self, request)
 
     return free
+
+
+def wrap_pop_blocks_for_free(original: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's ``KVCacheManager.pop_blocks_for_free(request)``, the deferred twin of ``free`` (with a KV consumer
+    connector and overlapping batches, a freed request's blocks return to the pool once the step in flight is
+    processed): every cached ring hashes its window first, as ``wrap_free`` has it do, by the same rules (a block
+    the step in flight may still write is never hashed: its column holds a later block, or it reaches past the
+    committed tokens less the placeholders in flight)."""
+
+    def pop_blocks_for_free(self: Any, request: Any) -> Any:
+        managers = [m for m in self.coordinator.single_type_managers if isinstance(m, RingSWAManager)]
+        rings = [(manager, manager.hash_window(request, self.max_model_len)) for manager in managers]
+        blocks = original(self, request)
+        for manager, ring in rings:
+            keep_windows(manager.block_pool, ring, manager.kv_cache_group_id, freed=False)
+        return blocks
+
+    return pop_blocks_for_free

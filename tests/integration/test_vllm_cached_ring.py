@@ -93,13 +93,18 @@ class Traffic:
 
 def drive(
     pool_blocks: int, cache_ring: bool, seed: int = 0, abort_at: int | None = None, edge: int | None = None,
-    prefix_caching: bool = True, edge_is_the_drafters: bool = False,
+    prefix_caching: bool = True, edge_is_the_drafters: bool = False, deferred_frees: bool = False,
 ):  # fmt: skip
     """The traffic through a scheduler, audited; ``edge``: also a request to that max model length (the engine's,
-    or with ``edge_is_the_drafters`` the drafter's alone)."""
+    or with ``edge_is_the_drafters`` the drafter's alone); ``deferred_frees``: every free deferred, as vLLM does
+    with a KV consumer connector and overlapping batches while a step in flight may write the blocks
+    (``pop_blocks_for_free`` now, the blocks back in the pool a step later)."""
     engine_max = 4096 if edge is None or edge_is_the_drafters else edge
     sched, hasher = scheduler(pool_blocks, cache_ring, max_model_len=engine_max, prefix_caching=prefix_caching,
                               drafter_max_len=edge if edge_is_the_drafters else 0)  # fmt: skip
+    if deferred_frees:
+        sched.defer_block_free = True
+        sched._request_blocks_can_be_freed = lambda request: False
     traffic = Traffic(hasher, seed, edge=edge)
     ring = drafter_manager(sched.kv_cache_manager)
     audit = RingAudit(group=len(sched.kv_cache_config.kv_cache_groups) - 1, block_size=DRAFTER.kv_block_size,
@@ -226,6 +231,20 @@ def test_windows_from_batches_that_skipped_the_drafter_are_never_hashed(drafters
     _, _, audit, record, _ = drive(400, cache_ring=True, edge=1024, edge_is_the_drafters=drafters)
     assert any(audit.skipped.values()), "no batch skipped the drafter: the scenario does not reach the max length"
     assert audit.hashes_checked > 0 and record["adopted"] > 0
+
+
+def test_deferred_frees_hash_the_window_as_direct_frees_do():
+    """Freed through ``pop_blocks_for_free`` (ringkv's wrap hashes the window there too), the windows are adopted,
+    every read is still of its own position and prefix, and once the last deferred free is drained nothing leaks."""
+    sched, ring, audit, record, _ = drive(400, cache_ring=True, abort_at=30, deferred_frees=True)
+    today = drive(400, cache_ring=False, deferred_frees=True)[3]
+    assert audit.reads_checked > 1000 and audit.hashes_checked > 0 and record["adopted"] > 0
+    assert record["hits"] > today["hits"] and record["accounting"] == []
+    assert sched.deferred_frees, "no free was deferred: the scenario does not take vLLM's deferred path"
+    sched.processed_step_seq = sched.sched_step_seq
+    sched._drain_deferred_frees()
+    pool = sched.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == 400 - 1 and not ring.rings and not ring.holds
 
 
 def test_with_prefix_caching_off_the_switch_changes_nothing():
