@@ -19,7 +19,8 @@ calls the finder without the request's length, so the coordinator's wrapper (``p
 ``LOOKUP_TOKENS`` around the call.
 
 **The hash.** A ring block gets the hash of logical block ``j`` only when its request is freed (finished, aborted
-or preempted; ``KVCacheManager.free``, wrapped in ``prefix_cache.py``), and only if (``window_to_hash``):
+or preempted; ``KVCacheManager.free`` or its deferred twin ``pop_blocks_for_free``, both wrapped in
+``prefix_cache.py``), and only if (``window_to_hash``):
 - its column still holds ``j`` (``RingSWAManager.holds``): a column that took ``j + R`` no longer holds ``j``'s K/V
   (**stale rows**; a long chunk whose first rows share a slot with its last keeps only the last writer: the same
   rule covers these **holes**);
