@@ -56,22 +56,20 @@ def enable_offloading(
 
 
 class InstantOffloadingWorker(OffloadingWorker):
-    """Finishes every transfer at submission, copying nothing; counts the GPU blocks each direction moved."""
+    """Finishes every transfer at submission, copying nothing."""
 
     def __init__(self) -> None:
         self.finished: list[TransferResult] = []
-        self.blocks = {"load": 0, "store": 0}
 
-    def _submit(self, job_id: int, direction: str, gpu_spec: Any) -> bool:
-        self.blocks[direction] += len(gpu_spec.block_ids)
+    def _submit(self, job_id: int) -> bool:
         self.finished.append(TransferResult(job_id=job_id, success=True))
         return True
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        return self._submit(job_id, "store", src_spec)
+        return self._submit(job_id)
 
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        return self._submit(job_id, "load", dst_spec)
+        return self._submit(job_id)
 
     def get_finished(self) -> list[TransferResult]:
         done, self.finished = self.finished, []
