@@ -111,8 +111,7 @@ class Offloading:
         connector.get_num_new_matched_tokens = get_num_new_matched_tokens
         connector.update_state_after_alloc = update_state_after_alloc
         self.connector = OffloadingConnector(scheduler.vllm_config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
-        self.worker = InstantOffloadingWorker()
-        self.connector.connector_worker.worker = self.worker
+        self.connector.connector_worker.worker = InstantOffloadingWorker()
 
     def step(self, output: SchedulerOutput) -> tuple[KVConnectorOutput, bool]:
         """What the model runner does with one step's connector metadata (preemption flush, loads and the
