@@ -32,8 +32,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ringkv.kernels.ring_geometry import longest_rebuilding_prefix_hit
-
 from ._compat import (
     VllmConfig,
     kv_connector_class,
@@ -42,7 +40,8 @@ from ._compat import (
     supports_hma,
 )
 from .errors import RingConfigError
-from .kv_cache import RingSWASpec, is_ring_spec
+from .kv_cache import is_ring_spec
+from .prefix_cache import rebuild_cap
 
 # a connector class attribute: True = it loads no ring group and caps its hits with external_hit_cap
 RING_SAFE_ATTRIBUTE = "ringkv_ring_safe"
@@ -52,11 +51,8 @@ def external_hit_cap(kv_cache_groups: Iterable[Any], num_tokens: int, num_comput
     """The most tokens a connector may load past ``num_computed_tokens`` (the local hit) for a request of
     ``num_tokens`` tokens, so that the recompute rebuilds every ring group (no connector moves a ring, whether or
     not the ring's windows are in the local prefix cache); None when no group is a ring."""
-    windows = [g.kv_cache_spec.sliding_window for g in kv_cache_groups if isinstance(g.kv_cache_spec, RingSWASpec)]
-    if not windows:
-        return None
-    cap = min(longest_rebuilding_prefix_hit(num_tokens, window) for window in windows)
-    return max(0, cap - num_computed_tokens)
+    cap = rebuild_cap(kv_cache_groups, num_tokens, cached_rings=True)
+    return None if cap is None else max(0, cap - num_computed_tokens)
 
 
 def wrap_group_spec_init(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -32,12 +32,19 @@ from .cached_ring import LOOKUP_TOKENS, keep_windows
 from .kv_cache import RingSWAManager, RingSWASpec
 
 
+def rebuild_cap(kv_cache_groups: Iterable[Any], num_tokens: int, cached_rings: bool) -> int | None:
+    """The longest prefix of a request of ``num_tokens`` tokens after which the recompute of the rest rebuilds every
+    ring group (those with ``cache_ring`` too only if ``cached_rings``); None when there is none."""
+    windows = [g.kv_cache_spec.sliding_window for g in kv_cache_groups if isinstance(g.kv_cache_spec, RingSWASpec)
+               and (cached_rings or not g.kv_cache_spec.cache_ring)]  # fmt: skip
+    return min((longest_rebuilding_prefix_hit(num_tokens, window) for window in windows), default=None)
+
+
 def ring_hit_cap(kv_cache_groups: Iterable[Any], num_tokens: int) -> int:
     """The longest hit a request of ``num_tokens`` tokens may take so that every ring group without ``cache_ring``
     is rebuilt by the recompute (``num_tokens`` when there is none; a cached ring caps its own hit)."""
-    windows = [g.kv_cache_spec.sliding_window for g in kv_cache_groups
-               if isinstance(g.kv_cache_spec, RingSWASpec) and not g.kv_cache_spec.cache_ring]  # fmt: skip
-    return min((longest_rebuilding_prefix_hit(num_tokens, window) for window in windows), default=num_tokens)
+    cap = rebuild_cap(kv_cache_groups, num_tokens, cached_rings=False)
+    return num_tokens if cap is None else cap
 
 
 def wrap_find_longest_cache_hit(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -102,7 +102,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
                            "cpu_blocks": cell.cpu_blocks, "ring_blocks": setup.drafter.plan.ring_blocks}  # fmt: skip
     config = build_vllm_config(setup)
     if mode.offload:
-        enable_offloading(config, setup.kv_cache_config(mode.ring), cell.cpu_blocks, setup.drafter.kv_block_size)
+        enable_offloading(config, setup.kv_cache_config(mode.ring), cell.cpu_blocks)
     try:
         result = run_load(config, setup, mode.ring, cell.shape.conversations_list(), cell.shape.seed)
     except PoolTooSmall as error:

@@ -38,21 +38,17 @@ from ._vllm import (
 )
 
 
-def enable_offloading(
-    config: VllmConfig, kv_cache_config: KVCacheConfig, cpu_blocks: int, hash_block_size: int
-) -> None:
+def enable_offloading(config: VllmConfig, kv_cache_config: KVCacheConfig, cpu_blocks: int) -> None:
     """Set ``config`` up as ``--kv-transfer-config`` does for vLLM's ``OffloadingConnector`` with a CPU tier of
     ``cpu_blocks`` GPU-pool blocks' bytes (``CPUOffloadingSpec`` divides them into chunks of one block of every
-    offloaded group), and ``--prefix-match-unit`` as the simulation's request hasher (``hash_block_size``): the
-    connector keys its chunks by the requests' block hashes at the unit vLLM resolves from the config, the
-    simulation's scheduler hashes at ``hash_block_size`` in every mode."""
+    offloaded group). The connector keys its chunks by the requests' block hashes at the unit vLLM resolves from
+    the config: ``build_vllm_config`` sets it to the one the simulation hashes at."""
     if cpu_blocks < 1:
         raise ValueError(f"cpu_blocks={cpu_blocks}: the CPU tier needs at least one block")
     page = max(group.kv_cache_spec.page_size_bytes for group in kv_cache_config.kv_cache_groups)
     extra = {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": cpu_blocks * page}
     config.kv_transfer_config = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                                  kv_connector_extra_config=extra)  # fmt: skip
-    config.cache_config.prefix_match_unit = hash_block_size
 
 
 class InstantOffloadingWorker(OffloadingWorker):

@@ -64,6 +64,9 @@ def build_vllm_config(deployment: Deployment, model_dir: Path | None = None) -> 
     )  # fmt: skip
     config = args.create_engine_config()
     config.cache_config.num_gpu_blocks = deployment.pool_blocks
+    # the simulation hashes requests at the drafter's block in every mode (request_block_hasher, make_scheduler);
+    # vLLM's KV connectors key what they store by those hashes at the unit they resolve from this config
+    config.cache_config.prefix_match_unit = deployment.drafter.kv_block_size
     return config
 
 
