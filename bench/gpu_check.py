@@ -145,7 +145,7 @@ def vllm_unified_call(unified, args: dict, shape: DrafterShape, block: int, cont
     import torch
     import triton
     from ringkv.kernels import ring_write
-    from ringkv.kernels.ring_geometry import ring_block, table_slot_mapping, varlen_positions
+    from ringkv.kernels.ring_geometry import block_column, table_slot_mapping, varlen_positions
 
     batch, k_cache, v_cache = args["batch"], args["k_cache"], args["v_cache"]
     num_tokens = args["q"].shape[0]
@@ -153,7 +153,7 @@ def vllm_unified_call(unified, args: dict, shape: DrafterShape, block: int, cont
     slots = table_slot_mapping(positions, batch.block_table, kv_block_size=shape.kv_block_size, window=shape.window,
                                period=batch.period, request_index=request)  # fmt: skip
     ring_write(args["k_new"], args["v_new"], k_cache, v_cache, slots)
-    columns = ring_block(torch.arange(triton.cdiv(context_len + block, shape.kv_block_size), device=k_cache.device),
+    columns = block_column(torch.arange(triton.cdiv(context_len + block, shape.kv_block_size), device=k_cache.device),
                          batch.period)  # fmt: skip
     table = batch.block_table[:, columns].contiguous()
     out = torch.empty_like(args["q"])

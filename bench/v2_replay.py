@@ -36,8 +36,7 @@ from ringkv.kernels.oracle import oracle_pair
 from ringkv.kernels.ring_geometry import (
     PAD_SLOT,
     UNBOUNDED_WINDOW,
-    first_visible_position,
-    ring_block,
+    block_column,
     table_slot_mapping,
 )
 from ringkv.kernels.testing import DrafterShape, attention_error
@@ -110,9 +109,9 @@ def gathered_row(request: Request, shape: DrafterShape, width: int, context_len:
     """V2's gathered block-table row ``[width]``: ``ring[j mod R]`` for the columns the manager appended (context
     and lookahead), 0 past them and below the sliding-window gather's ``num_null``."""
     columns = torch.arange(width, device=request.ring.device)
-    num_null = first_visible_position(request.step_start, shape.window) // shape.kv_block_size
+    num_null = shape.plan.first_visible_block(request.step_start)
     allocated = triton.cdiv(context_len + shape.lookahead, shape.kv_block_size)
-    row = request.ring[ring_block(columns, len(request.ring))]
+    row = request.ring[block_column(columns, len(request.ring))]
     return torch.where((columns >= num_null) & (columns < allocated), row, torch.zeros_like(row))
 
 

@@ -61,15 +61,15 @@ def ring_blocks_needed(window: int, kv_block_size: int, lookahead: int) -> int:
     return triton.cdiv(window + lookahead - 2, kv_block_size) + 1
 
 
-def ring_block(logical_block: torch.Tensor | int, period: int) -> torch.Tensor | int:
-    """Ring column of logical block ``j`` (a compact row's column; in vLLM's full logical row, the ring block that
-    column ``j`` holds): ``j mod period``."""
+def block_column(logical_block: torch.Tensor | int, period: int) -> torch.Tensor | int:
+    """The ring column of logical block ``j``: ``j mod period`` (in vLLM's full logical row, entry ``j`` names the
+    block of this column)."""
     return logical_block % period
 
 
-def ring_column(position: torch.Tensor, kv_block_size: int, period: int) -> torch.Tensor:
-    """Block-table column holding ``position``: ``(position // bs) mod period``."""
-    return ring_block(torch.div(position, kv_block_size, rounding_mode="floor"), period)
+def position_column(position: torch.Tensor, kv_block_size: int, period: int) -> torch.Tensor:
+    """The ring column of ``position``: ``(position // bs) mod period`` (``block_column`` of its logical block)."""
+    return block_column(torch.div(position, kv_block_size, rounding_mode="floor"), period)
 
 
 def first_visible_position(query_position: torch.Tensor | int, window: int) -> torch.Tensor | int:
@@ -136,11 +136,20 @@ class RingPlan:
         """S = R * bs."""
         return self.ring_blocks * self.kv_block_size
 
-    def blocks_for_tokens(self, num_tokens: int) -> int:
-        """Physical blocks a request of ``num_tokens`` tokens holds: ``min(cdiv(N, bs), R)``."""
+    def logical_blocks(self, num_tokens: int) -> int:
+        """Logical blocks the positions ``0 .. num_tokens - 1`` span: ``cdiv(N, bs)``."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens={num_tokens} must be >= 0")
-        return min(triton.cdiv(num_tokens, self.kv_block_size), self.ring_blocks)
+        return triton.cdiv(num_tokens, self.kv_block_size)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Physical blocks a request of ``num_tokens`` tokens holds: ``min(cdiv(N, bs), R)``."""
+        return min(self.logical_blocks(num_tokens), self.ring_blocks)
+
+    def first_visible_block(self, query_position: int) -> int:
+        """The logical block of the lowest key a query at ``query_position`` may see: blocks below it are dead to
+        that query and to every later one."""
+        return first_visible_position(query_position, self.window) // self.kv_block_size
 
     def live_span(self, context_len: int) -> tuple[int, int]:
         """Half-open positions ``[max(0, P-(W-1)), P+la)`` one step at context_len ``P`` reads or writes."""
@@ -226,7 +235,7 @@ def table_slot_mapping(
     positions = positions.to(torch.int64)
     keep = positions >= 0 if seq_len is None else written(positions, seq_len, window)
     safe = torch.where(keep, positions, torch.zeros_like(positions))
-    block_ids = table[rows.to(torch.int64), ring_column(safe, kv_block_size, period)]
+    block_ids = table[rows.to(torch.int64), position_column(safe, kv_block_size, period)]
     slots = block_ids * kv_block_size + torch.remainder(safe, kv_block_size)
     return torch.where(keep, slots, torch.full_like(slots, PAD_SLOT))
 

@@ -132,7 +132,7 @@ def make_ring_case(
         logical = torch.arange(width)
         block_table = rings[:, logical % ring_blocks].clone()
         for r, (p, _) in enumerate(requests):
-            dead_blocks = logical < first_visible_position(p, window) // kv_block_size
+            dead_blocks = logical < plan.first_visible_block(p)
             block_table[r, dead_blocks] = 0
         table_period = None
     else:

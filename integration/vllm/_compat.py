@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import warnings
+from collections.abc import Iterator
+from typing import Any
 
+import torch
 from packaging.version import InvalidVersion, Version
 
-from .versions import SUPPORTED, TESTED
+from .versions import SUPPORTED, SUPPORTED_SPECIFIER, TESTED
 
 TESTED_TEXT = ", ".join(f"{dist} {version}" for dist, version in TESTED)
 
@@ -36,24 +39,25 @@ def _installed_version() -> tuple[str, str]:
 
 
 def _check_version(version: str, dist: str = "vllm") -> None:
-    """Refuse a vLLM outside [0.32, 0.35); warn for one inside it that is not in ``TESTED``."""
+    """Refuse a vLLM outside ``SUPPORTED``; warn for one inside it that is not in ``TESTED``."""
     try:
         parsed = Version(version)
     except InvalidVersion as error:
         raise ImportError(
-            f"cannot parse the vLLM version {version!r}; ringkv supports vLLM >=0.32,<0.35 (tested: {TESTED_TEXT})"
+            f"cannot parse the vLLM version {version!r}; ringkv supports vLLM {SUPPORTED_SPECIFIER} "
+            f"(tested: {TESTED_TEXT})"
         ) from error
     low, high = SUPPORTED
     if not low <= parsed.release[:2] < high:
         raise ImportError(
-            f"{dist} {version} is not supported by ringkv (needs >=0.32,<0.35: the KV-cache spec registry, "
+            f"{dist} {version} is not supported by ringkv (needs {SUPPORTED_SPECIFIER}: the KV-cache spec registry, "
             f"customize_spec and the DFlash speculator it hooks into; tested: {TESTED_TEXT}); install a supported vLLM"
         )
     if (dist, parsed.public) not in TESTED:
         warnings.warn(
             f"ringkv was not tested with {dist} {version} (tested: {TESTED_TEXT}); it is written for vLLM "
-            ">=0.32,<0.35, so it should work, but run the vLLM version matrix (nox -s compat) with this version "
-            "before relying on it",
+            f"{SUPPORTED_SPECIFIER}, so it should work, but run the vLLM version matrix (nox -s compat) with this "
+            "version before relying on it",
             UntestedVLLMWarning,
             stacklevel=2,
         )
@@ -83,6 +87,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_group_id, resolve_block_hashes
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec, replace_as
@@ -136,12 +141,54 @@ def hybrid_coordinator_class() -> type:
 
 
 def block_pool_class() -> type:
-    """vLLM's ``BlockPool``: ``get_new_blocks(num_blocks)`` pops the free queue's front (``free_block_queue``:
-    ``fake_free_list_head`` / ``_tail``, ``next_free_block``, ``remove``, ``prepend_n``) and drops a popped block's
-    hash; ``_maybe_evict_cached_block`` drops one's hash (0.32 to 0.34)."""
-    from vllm.v1.core.block_pool import BlockPool
-
+    """vLLM's ``BlockPool``: ``get_new_blocks(num_blocks)`` pops the free queue's front and drops a popped block's
+    hash (0.32 to 0.34)."""
     return BlockPool
+
+
+# vLLM's private internals the plugin reaches: each through one helper here, read in 0.32, 0.33 and 0.34
+# (``tests/integration/test_vllm_private_access.py`` keeps every other plugin file off them)
+
+
+def drop_cached_hash(block_pool: BlockPool, block: KVCacheBlock) -> None:
+    """Drop ``block``'s hash from the prefix cache, so that no later lookup finds it (``_maybe_evict_cached_block``;
+    a block without a hash is left alone)."""
+    block_pool._maybe_evict_cached_block(block)
+
+
+def free_queue_front(block_pool: BlockPool) -> Iterator[KVCacheBlock]:
+    """The free queue's blocks from its front, the order ``get_new_blocks`` hands them out (its doubly linked list:
+    ``fake_free_list_head`` / ``fake_free_list_tail``, ``next_free_block``)."""
+    queue = block_pool.free_block_queue
+    node = queue.fake_free_list_head.next_free_block
+    while node is not None and node is not queue.fake_free_list_tail:
+        yield node
+        node = node.next_free_block
+
+
+def move_to_free_queue_front(block_pool: BlockPool, blocks: list[KVCacheBlock]) -> None:
+    """Move free ``blocks`` to the front of the free queue, in their order (``remove``, ``prepend_n``)."""
+    queue = block_pool.free_block_queue
+    for block in blocks:
+        queue.remove(block)
+    queue.prepend_n(blocks)
+
+
+def records_new_block_ids(manager: SlidingWindowManager) -> bool:
+    """Whether a single-type manager records the ids of the blocks it allocates in ``new_block_ids`` (the workers
+    zero them): ``_record_new_block_ids``."""
+    return manager._record_new_block_ids
+
+
+def context_slot_mappings(speculator: object) -> torch.Tensor:
+    """Model Runner V2's DFlash speculator's persistent context slot mappings ``[draft KV groups, rows]``
+    (``_context_slot_mappings``; its graph replays read this buffer)."""
+    return speculator._context_slot_mappings  # type: ignore[attr-defined]
+
+
+def connector_kv_cache_config(connector: object) -> Any:
+    """The ``KVCacheConfig`` a KV connector was built with (``_kv_cache_config``, set by vLLM's base connector)."""
+    return connector._kv_cache_config  # type: ignore[attr-defined]
 
 
 def kv_cache_manager_class() -> type:
@@ -261,6 +308,7 @@ __all__ = [
     "AttentionLayer",
     "AttentionMetadataBuilder",
     "AttentionType",
+    "BlockPool",
     "CommonAttentionMetadata",
     "KVCacheBlock",
     "KVCacheGroupSpec",
@@ -273,11 +321,15 @@ __all__ = [
     "alias_attention_backend",
     "attention_backend_path",
     "block_pool_class",
+    "connector_kv_cache_config",
+    "context_slot_mappings",
     "cpu_attention_classes",
     "cpu_platform_class",
     "dflash_speculator_class",
+    "drop_cached_hash",
     "engine_args_class",
     "ensure_builtin_kv_specs",
+    "free_queue_front",
     "get_current_vllm_config_or_none",
     "get_forward_context",
     "get_group_id",
@@ -288,7 +340,9 @@ __all__ = [
     "kv_connector_class",
     "kv_transfer_config_class",
     "marked_draft_layers",
+    "move_to_free_queue_front",
     "offloading_connector_class",
+    "records_new_block_ids",
     "register_backend",
     "registered_kv_spec_manager",
     "replace_as",

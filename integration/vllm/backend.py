@@ -11,11 +11,9 @@ from typing import Any
 from ._compat import SlidingWindowSpec, get_current_vllm_config_or_none
 from .capabilities import RingKVCapabilities
 from .impl import RingKVImpl
-from .kv_cache import to_ring_spec
 from .metadata import RingKVMetadataBuilder
 from .planning import check_ring_config, drafter_max_len_from_config, lookahead_from_config
-
-BACKEND_NAME = "RINGKV"
+from .ring_spec import to_ring_spec
 
 
 class RingKVBackend(RingKVCapabilities):

@@ -34,14 +34,15 @@ from typing import Any
 
 from ._compat import (
     VllmConfig,
+    connector_kv_cache_config,
     kv_connector_class,
     kv_transfer_config_class,
     offloading_connector_class,
     supports_hma,
 )
 from .errors import RingConfigError
-from .kv_cache import is_ring_spec
 from .prefix_cache import rebuild_cap
+from .ring_spec import is_ring_spec
 
 # a connector class attribute: True = it loads no ring group and caps its hits with external_hit_cap
 RING_SAFE_ATTRIBUTE = "ringkv_ring_safe"
@@ -74,7 +75,7 @@ def wrap_max_loadable_tokens(original: Callable[..., Any]) -> Callable[..., Any]
 
     def max_loadable_tokens(self: Any, request: Any, num_computed_tokens: int) -> int | None:
         bound = original(self, request, num_computed_tokens)
-        cap = external_hit_cap(self._kv_cache_config.kv_cache_groups, request.num_tokens, num_computed_tokens)
+        cap = external_hit_cap(connector_kv_cache_config(self).kv_cache_groups, request.num_tokens, num_computed_tokens)
         if cap is None:
             return bound
         return cap if bound is None else min(bound, cap)

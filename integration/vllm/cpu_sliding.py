@@ -26,9 +26,9 @@ from ._compat import (
 )
 from .backend import RingKVBackend
 from .impl import RingKVImpl
-from .kv_cache import RingSWASpec
 from .metadata import RingKVMetadataBuilder
 from .names import CPU_SLIDING_BACKEND_PATH
+from .ring_spec import RingSWASpec
 
 CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadataBuilder = cpu_attention_classes()
 

@@ -5,9 +5,10 @@
 Each entry names the vLLM owner (reached through ``_compat.py``, like every vLLM import of the plugin), the
 attribute or registry key it changes, why, the vLLM versions that need it and, where it applies only to some
 processes, when. A ``Wrap`` replaces a vLLM function once (``wrap_once.py``); its body is a factory in the module
-named for its job (``selection.py``, ``planning.py``, ``prefix_cache.py``, ``connectors.py``, ``speculator.py``).
-A ``Registration`` adds ringkv to one of vLLM's registries. ``markdown_table()`` renders the table for the docs;
-``tests/integration/test_vllm_patches.py`` checks every entry is installed once, and only where its range holds.
+named for its job (``selection.py``, ``planning.py``, ``prefix_cache.py``, ``eviction.py``, ``connectors.py``,
+``speculator.py``). A ``Registration`` adds ringkv to one of vLLM's registries. ``markdown_table()`` renders the
+table for the docs; ``tests/integration/test_vllm_patches.py`` checks every entry is installed once, and only where
+its range holds.
 """
 
 from __future__ import annotations
@@ -22,19 +23,20 @@ from packaging.version import Version
 
 from . import _compat
 from ._compat import AttentionBackendEnum, KVCacheSpecRegistry
-from .cached_ring import evict_windows_first
 from .connectors import wrap_group_spec_init, wrap_max_loadable_tokens
-from .kv_cache import RingSWAManager, RingSWASpec
+from .eviction import wrap_get_new_blocks
+from .kv_cache import RingSWAManager
 from .names import BACKEND_PATH, CPU_SLIDING_BACKEND_PATH
 from .planning import wrap_get_kv_cache_spec
 from .prefix_cache import wrap_find_longest_cache_hit, wrap_free, wrap_pop_blocks_for_free
+from .ring_spec import RingSWASpec
 from .selection import env_selects_ring, wrap_create_speculative_config, wrap_get_attn_backend_cls
 from .speculator import wrap_precompute_context_kv
-from .versions import SUPPORTED
+from .versions import SUPPORTED_SPECIFIER
 from .wrap_once import WrapperFactory, wrap_count, wrap_once
 
 # [0.32, 0.35): every entry below is needed on every vLLM version ringkv supports (read in 0.32, 0.33 and 0.34)
-ALL_SUPPORTED = SpecifierSet(f">={SUPPORTED[0][0]}.{SUPPORTED[0][1]},<{SUPPORTED[1][0]}.{SUPPORTED[1][1]}")
+ALL_SUPPORTED = SpecifierSet(SUPPORTED_SPECIFIER)
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Wrap(
         owner_name="KVCacheManager", owner=_compat.kv_cache_manager_class, attribute="free", wrapper=wrap_free,
-        why="Hashes a freed request's ring window (the blocks a later turn adopts) and frees it before the target's "
+        why="Hashes a freed request's ring tail (the blocks a later turn adopts) and frees it before the target's "
         "blocks.",
     ),
     Wrap(
@@ -187,8 +189,8 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Wrap(
         owner_name="BlockPool", owner=_compat.block_pool_class, attribute="get_new_blocks",
-        wrapper=evict_windows_first,
-        why="Evicts cached ring windows before any cached target block (a window saves one conversation at most a "
+        wrapper=wrap_get_new_blocks,
+        why="Evicts cached ring tails before any cached target block (a tail saves one conversation at most a "
         "window of recompute).",
     ),
     Wrap(

@@ -28,8 +28,9 @@ from typing import Any
 
 from ringkv.kernels.ring_geometry import longest_rebuilding_prefix_hit
 
-from .cached_ring import LOOKUP_TOKENS, keep_windows
-from .kv_cache import RingSWAManager, RingSWASpec
+from .cached_ring import lookup_tokens
+from .kv_cache import RingSWAManager
+from .ring_spec import RingSWASpec
 
 
 def rebuild_cap(kv_cache_groups: Iterable[Any], num_tokens: int, cached_rings: bool) -> int | None:
@@ -57,11 +58,8 @@ def wrap_find_longest_cache_hit(original: Callable[..., Any]) -> Callable[..., A
 
     def find_longest_cache_hit(self: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
         cap = ring_hit_cap(self.kv_cache_config.kv_cache_groups, max_cache_hit_length + 1)
-        token = LOOKUP_TOKENS.set(max_cache_hit_length + 1)
-        try:
+        with lookup_tokens(max_cache_hit_length + 1):
             return original(self, block_hashes, min(max_cache_hit_length, cap))
-        finally:
-            LOOKUP_TOKENS.reset(token)
 
     return find_longest_cache_hit
 
@@ -88,10 +86,10 @@ def wrap_pop_blocks_for_free(original: Callable[..., Any]) -> Callable[..., Any]
 
     def pop_blocks_for_free(self: Any, request: Any) -> Any:
         managers = [m for m in self.coordinator.single_type_managers if isinstance(m, RingSWAManager)]
-        rings = [(manager, manager.hash_window(request, self.max_model_len)) for manager in managers]
+        rings = [(manager, manager.hash_tail(request, self.max_model_len)) for manager in managers]
         blocks = original(self, request)
         for manager, ring in rings:
-            keep_windows(manager.block_pool, ring, manager.kv_cache_group_id, freed=False)
+            manager.keep_tail(ring, freed=False)
         return blocks
 
     return pop_blocks_for_free

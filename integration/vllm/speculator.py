@@ -23,14 +23,15 @@ from typing import Any
 import torch
 from ringkv.kernels.ring_geometry import last_writer_slots
 
-from .kv_cache import RingSWASpec
+from ._compat import context_slot_mappings
+from .ring_spec import RingSWASpec
 
 
 def ring_context_slot_rows(speculator: Any) -> list[torch.Tensor]:
     """The speculator's persistent context slot mappings (one row per draft KV group) of the ring groups."""
     groups = speculator.kv_cache_config.kv_cache_groups
     return [
-        speculator._context_slot_mappings[index]
+        context_slot_mappings(speculator)[index]
         for index, group_id in enumerate(speculator.draft_kv_cache_group_ids)
         if isinstance(groups[group_id].kv_cache_spec, RingSWASpec)
     ]

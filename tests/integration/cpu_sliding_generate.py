@@ -25,7 +25,7 @@ def main(model_dir: str, mode: str, prompts: list[list[int]], max_tokens: int) -
 
         def recording(self, request_id, num_tokens, num_tokens_main_model):
             entries = allocate(self, request_id, num_tokens, num_tokens_main_model)
-            held[request_id] = max(held.get(request_id, 0), len(self.rings[request_id]))
+            held[request_id] = max(held.get(request_id, 0), len(self.rings[request_id].blocks))
             held["ring_blocks"] = self.ring_blocks
             return entries
 

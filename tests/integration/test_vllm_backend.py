@@ -18,8 +18,8 @@ pytest.importorskip("vllm")
 from ringkv.bench.lab.simulation.admission import Deployment, drafter_manager, make_request
 from ringkv.integration.vllm import register
 from ringkv.integration.vllm.backend import RingKVBackend
-from ringkv.integration.vllm.kv_cache import RingSWASpec, to_ring_spec
 from ringkv.integration.vllm.planning import RingConfigError, check_ring_config
+from ringkv.integration.vllm.ring_spec import RingSWASpec, to_ring_spec
 from ringkv.kernels.testing import DrafterShape
 from vllm.config import KVTransferConfig
 

@@ -16,8 +16,8 @@ pytest.importorskip("vllm")
 from ringkv.integration.vllm import _compat
 from ringkv.integration.vllm._compat import TESTED_TEXT
 from ringkv.integration.vllm.impl import RingKVImpl
-from ringkv.integration.vllm.kv_cache import RingSWASpec
 from ringkv.integration.vllm.metadata import resolve_causal
+from ringkv.integration.vllm.ring_spec import RingSWASpec
 
 pytestmark = pytest.mark.vllm
 

@@ -208,7 +208,7 @@ def test_every_read_is_of_its_own_position_and_prefix(pool_blocks):
     pool = sched.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool_blocks - 1
     assert all(block.ref_cnt == 0 for block in pool.blocks if not block.is_null)
-    assert not ring.rings and not ring.holds and not ring.steps.peaks
+    assert not ring.rings and not ring.drafter_skips.peaks
     hashes = ring_hashes(sched)
     assert hashes and len(set(hashes)) == len(hashes), "a window block cached twice under one hash"
 
@@ -244,7 +244,7 @@ def test_deferred_frees_hash_the_window_as_direct_frees_do():
     sched.processed_step_seq = sched.sched_step_seq
     sched._drain_deferred_frees()
     pool = sched.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == 400 - 1 and not ring.rings and not ring.holds
+    assert pool.get_num_free_blocks() == 400 - 1 and not ring.rings
 
 
 def test_with_prefix_caching_off_the_switch_changes_nothing():

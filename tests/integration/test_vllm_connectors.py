@@ -16,8 +16,8 @@ from ringkv.bench.lab.simulation.scheduler_run import write_model_config
 from ringkv.integration.vllm import patches, register
 from ringkv.integration.vllm.connectors import external_hit_cap, wrap_max_loadable_tokens
 from ringkv.integration.vllm.errors import RingConfigError
-from ringkv.integration.vllm.kv_cache import RingSWASpec
 from ringkv.integration.vllm.planning import check_ring_config
+from ringkv.integration.vllm.ring_spec import RingSWASpec
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
 from vllm.engine.arg_utils import EngineArgs
@@ -112,7 +112,7 @@ def test_any_connector_is_refused_with_the_targets_sliding_layers_on_the_ring():
 def test_connectors_are_served_beside_the_rings_windows_in_the_prefix_cache_or_without(monkeypatch, switch):
     """RINGKV_RING_PREFIX_CACHE keeps its default (1) with a connector: no ring group takes part in KV transfer, so
     no connector moves a cached ring's windows either; its hits are capped all the same."""
-    from ringkv.integration.vllm.kv_cache import to_ring_spec
+    from ringkv.integration.vllm.ring_spec import to_ring_spec
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
     if switch is None:
@@ -202,7 +202,7 @@ def test_an_external_hit_leaves_the_ring_row_position_indexed_and_holding_r_bloc
     assert len(full.req_to_blocks["r"]) == len(row) == (400 + LOOKAHEAD + BLOCK - 1) // BLOCK
     assert all(block.is_null for block in row[: external // BLOCK])
     live = {block.block_id for block in row if not block.is_null}
-    assert len(live) == len(ring.rings["r"]) == ring_spec.ring_blocks
+    assert len(live) == len(ring.rings["r"].blocks) == ring_spec.ring_blocks
     kv.free(req)
     assert kv.block_pool.get_num_free_blocks() == free
 

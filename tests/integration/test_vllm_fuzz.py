@@ -27,7 +27,8 @@ def held_by_group(manager, request_ids) -> int:
         blocks = set()
         for rid in request_ids:
             blocks |= {b.block_id for b in group.req_to_blocks.get(rid, []) if not b.is_null}
-            blocks |= {b.block_id for b in getattr(group, "rings", {}).get(rid, [])}
+            ring = getattr(group, "rings", {}).get(rid)
+            blocks |= {b.block_id for b in ([] if ring is None else ring.claimed())}
         total += len(blocks)
     return total
 
@@ -35,7 +36,7 @@ def held_by_group(manager, request_ids) -> int:
 def check_invariants(manager, live, needs, initial_free) -> None:
     drafter = drafter_manager(manager)
     plan = SMALL.drafter.plan
-    rings = {rid: [b.block_id for b in drafter.rings[rid]] for rid in live}
+    rings = {rid: [b.block_id for b in drafter.rings[rid].blocks] for rid in live}
     all_ring_blocks = [b for blocks in rings.values() for b in blocks]
     assert len(all_ring_blocks) == len(set(all_ring_blocks)), "two requests share a ring block"
     for rid, request in live.items():

@@ -81,7 +81,7 @@ def test_abort_mid_prefill_leaks_nothing():
     free = manager.block_pool.get_num_free_blocks()
     request = make_request("abort", 100_000)
     _prefill(manager, request, chunks=3)
-    assert len(drafter_manager(manager).rings["abort"]) == 130
+    assert len(drafter_manager(manager).rings["abort"].blocks) == 130
     manager.free(request)
     assert manager.block_pool.get_num_free_blocks() == free
     assert "abort" not in drafter_manager(manager).rings
@@ -94,7 +94,7 @@ def test_preempt_and_resume_rebuilds_a_valid_ring():
     free = manager.block_pool.get_num_free_blocks()
     request = make_request("p", 50_000)
     _prefill(manager, request, chunks=2)
-    first_ring = [b.block_id for b in drafter_manager(manager).rings["p"]]
+    first_ring = [b.block_id for b in drafter_manager(manager).rings["p"].blocks]
     # preemption as the scheduler does it: free everything, recompute from scratch
     manager.free(request)
     request.status = RequestStatus.PREEMPTED
@@ -104,7 +104,7 @@ def test_preempt_and_resume_rebuilds_a_valid_ring():
     _prefill(manager, request, chunks=4)
     drafter = drafter_manager(manager)
     row = drafter.req_to_blocks["p"]
-    assert len(drafter.rings["p"]) == 130
+    assert len(drafter.rings["p"].blocks) == 130
     assert len(first_ring) == 130
     context_len = request.num_computed_tokens
     live = row[(context_len - 2047) // 16 : (context_len + 8 + 15) // 16]
@@ -126,7 +126,7 @@ def test_long_chunk_nulls_dead_blocks_and_maps_live_ones_to_the_ring():
     request = make_request("c", 20_000)
     manager.allocate_slots(request, 8192, num_lookahead_tokens=ISSUE.drafter.lookahead)
     drafter = drafter_manager(manager)
-    row, ring = drafter.req_to_blocks["c"], drafter.rings["c"]
+    row, ring = drafter.req_to_blocks["c"], drafter.rings["c"].blocks
     assert len(row) == 513
     assert all(block.is_null for block in row[:383])
     assert [block.block_id for block in row[383:]] == [ring[j % 130].block_id for j in range(383, 513)]
@@ -178,8 +178,9 @@ def test_an_allocation_beyond_the_planned_lookahead_is_refused():
 
 
 def test_an_unplanned_ring_spec_never_reaches_a_manager():
-    from ringkv.integration.vllm.kv_cache import RingSWAManager, RingSWASpec
+    from ringkv.integration.vllm.kv_cache import RingSWAManager
     from ringkv.integration.vllm.planning import RingConfigError
+    from ringkv.integration.vllm.ring_spec import RingSWASpec
 
     unplanned = RingSWASpec(block_size=16, num_kv_heads=8, head_size=128, dtype=ISSUE.drafter_spec(True).dtype,
                             sliding_window=2048)  # fmt: skip

@@ -11,9 +11,9 @@ pytest.importorskip("vllm")
 
 import torch
 from ringkv.integration.vllm import register
-from ringkv.integration.vllm.kv_cache import RingSWASpec
 from ringkv.integration.vllm.prefix_cache import ring_hit_cap
-from ringkv.kernels.ring_geometry import ring_block
+from ringkv.integration.vllm.ring_spec import RingSWASpec
+from ringkv.kernels.ring_geometry import block_column
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -95,12 +95,12 @@ def test_the_ring_row_is_position_indexed_after_a_hit_and_holds_at_most_r_blocks
     assert hit > 0
     row = ring_row(kv, "second")
     ring_manager = kv.coordinator.single_type_managers[1]
-    ring = ring_manager.rings["second"]
+    ring = ring_manager.rings["second"].blocks
     assert len(row) == -(-second.num_tokens // BLOCK) and len(ring) <= ring_manager.ring_blocks
     assert all(block.is_null for block in row[: hit // BLOCK]), "the hit's blocks are dead to the ring"
     first_query_sees = second.num_tokens - (WINDOW - 1)
     for j in range(first_query_sees // BLOCK, len(row)):
-        assert row[j] is ring[ring_block(j, ring_manager.ring_blocks)], j
+        assert row[j] is ring[block_column(j, ring_manager.ring_blocks)], j
     kv.free(second)
     assert kv.block_pool.get_num_free_blocks() == 255, "a block leaked"
 

@@ -34,7 +34,7 @@ from ringkv.bench.lab.simulation.admission import Deployment, drafter_manager, m
 from ringkv.integration.vllm import register
 from ringkv.integration.vllm._compat import CommonAttentionMetadata, dflash_speculator_class, is_draft_spec
 from ringkv.integration.vllm.backend import RingKVBackend
-from ringkv.integration.vllm.kv_cache import RingSWASpec
+from ringkv.integration.vllm.ring_spec import RingSWASpec
 from ringkv.kernels.ring_geometry import PAD_SLOT
 from ringkv.kernels.testing import DrafterShape
 

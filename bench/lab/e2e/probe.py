@@ -146,7 +146,8 @@ def _attention_probes() -> None:
 def _held_blocks(manager: Any, request_id: str) -> int:
     rings = getattr(manager, "rings", None)
     if rings is not None:
-        return len(rings.get(request_id, ()))
+        ring = rings.get(request_id)
+        return 0 if ring is None else len(ring.blocks)
     return len({b.block_id for b in manager.req_to_blocks.get(request_id, ()) if not b.is_null})
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from ringkv.integration.vllm import register
-from ringkv.integration.vllm.kv_cache import RingSWASpec
+from ringkv.integration.vllm.ring_spec import RingSWASpec
 from ringkv.kernels.testing import ISSUE_55800, DrafterShape
 
 from ._vllm import (
@@ -110,7 +110,7 @@ def held_rows(manager: KVCacheManager) -> dict[str, list]:
     rings = getattr(group, "rings", None)
     if rings is None:
         return group.req_to_blocks
-    return {request_id: [block for block in ring if block is not None] for request_id, ring in rings.items()}
+    return {request_id: ring.claimed() for request_id, ring in rings.items()}
 
 
 def drafter_blocks_held(manager: KVCacheManager, request_id: str) -> int:
