@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ``ringkv`` command line (the script): the product's commands and shared helpers
-(``ringkv.integration.cli``), the lab's commands (``commands.py``) and the ``bench`` group."""
+"""The lab's commands of the ``ringkv`` command line (``commands.py``: ``demo``, ``admission``, ``e2e``) and its
+``bench`` group, added to the product's app (``ringkv.integration.cli``) by ``add_lab_commands``, the entry point
+the app finds them through. ``python -m ringkv.bench.cli`` runs the whole app from a checkout too (``on_gpu.sh``)."""
 
 from __future__ import annotations
 
@@ -17,20 +18,19 @@ from ringkv.integration.cli import (
     TargetGroups,
     TargetKvBlockSize,
     Window,
+    add_commands,
     build_app,
     console,
-    plan,
     require,
     require_at_least,
     require_block_multiple,
     show,
-    smoke,
 )
 
 from .commands import admission, demo, e2e
 from .compile_report import compile_report
 from .fp8_acceptance import fp8_acceptance
-from .load import MODE_NAMES, WORKLOAD_NAMES, LoadOptions
+from .load_options import MODE_NAMES, WORKLOAD_NAMES, LoadOptions
 
 bench = typer.Typer(help="Benchmarks: CPU figures with vLLM's scheduling code.", no_args_is_help=True)
 
@@ -162,10 +162,15 @@ def gpu_check(
 bench.command("compile-report")(compile_report)
 bench.command("fp8-acceptance")(fp8_acceptance)
 
-# the order of ``ringkv --help``
-app = build_app(demo, admission, smoke, plan, e2e)
-app.add_typer(bench, name="bench")
+
+def add_lab_commands(app: typer.Typer) -> None:
+    """The ``ringkv.commands`` entry point: the lab's commands and the ``bench`` group, after the product's."""
+    add_commands(app, demo, admission, e2e)
+    app.add_typer(bench, name="bench")
 
 
 if __name__ == "__main__":
-    app()
+    lab_app = build_app()
+    if not any(group.name == "bench" for group in lab_app.registered_groups):  # run from a checkout, not installed
+        add_lab_commands(lab_app)
+    lab_app()

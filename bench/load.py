@@ -17,10 +17,11 @@ import multiprocessing
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .load_options import LoadOptions
 from .load_report import plot, table, write_text
 from .records import environment, write_jsonl
 
@@ -28,50 +29,10 @@ if TYPE_CHECKING:
     from ringkv.bench.lab.simulation.cells import Cell, Shape
 
 Row = dict[str, Any]
-WORKLOAD_NAMES = ("chat", "agentic")
-MODE_NAMES = ("stock", "ring-today", "ring-cached", "stock-offload", "ring-offload", "ring-cached-offload")
 # the module every cell's process needs, imported once by the fork server
 CELL_MODULE = "ringkv.bench.lab.simulation.cells"
 # the fork server's (hence every cell's) PYTHONHASHSEED
 HASH_SEED = "0"
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    """The run (each field a ``ringkv bench load`` flag): #55800's deployment (W 2048, block 16, N 7; 6 target
-    groups x block 2304, chunk 8192), the workloads, the modes and the pools as multiples of the base pool; the CPU
-    tier of the offloading modes as a multiple of the base pool (``offload_multiple``, in the pool's blocks)."""
-
-    workload: tuple[str, ...] = WORKLOAD_NAMES
-    mode: tuple[str, ...] = MODE_NAMES
-    pool_multiple: tuple[float, ...] = (0.125, 0.25, 0.375, 0.5, 0.75, 1.0)
-    offload_multiple: float = 1.0
-    window: int = 2048
-    drafter_kv_block_size: int = 16
-    num_speculative_tokens: int = 7
-    target_groups: int = 6
-    target_kv_block_size: int = 2304
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 64
-    conversations: int = 0
-    seed: int = 0
-    repeats: int = 2
-    jobs: int = 2
-
-    def command(self, out: Path) -> str:
-        """The ``ringkv`` command line that makes this run."""
-        flags = []
-        for field in fields(self):
-            values = getattr(self, field.name)
-            for value in values if isinstance(values, tuple) else (values,):
-                flags.append(f"--{field.name.replace('_', '-')} {value}")
-        return " ".join(["ringkv bench load", *flags, f"--out {out}"])
-
-    def shape(self, workload: str) -> Shape:
-        from ringkv.bench.lab.simulation.cells import Shape
-
-        shared = {field.name: getattr(self, field.name) for field in fields(Shape) if field.name != "workload"}
-        return Shape(workload=workload, **shared)
 
 
 def text_name(window: int, workload: str) -> str:

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from .load import LoadOptions
+    from .load_options import LoadOptions
 
 Row = dict[str, Any]
 MODE_COLORS = {"stock": "tab:red", "ring-today": "tab:blue", "ring-cached": "tab:green", "stock-offload": "tab:orange",

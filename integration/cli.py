@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The product's commands of the ``ringkv`` command line (``smoke``, ``plan``) and the option types and helpers
-every command shares. The ``ringkv`` script is ``bench/cli.py``: these commands, the lab's (``bench/commands.py``)
-and its ``bench`` group (the layers run kernels < dflash2 < integration < bench; nothing here imports bench)."""
+"""The ``ringkv`` command line (the script's ``app``): the product's commands (``smoke``, ``plan``), then every
+installed command set (entry point group ``ringkv.commands``: the lab's, ``ringkv.bench.cli.add_lab_commands``,
+adds ``demo``, ``admission``, ``e2e`` and the ``bench`` group), and the option types and helpers every command
+shares. Nothing here imports the lab: the layers run kernels < dflash2 < integration < bench."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -215,14 +217,24 @@ def plan(
          ["layer", "window", "attention", "ring blocks R", "KV per request"], rows)  # fmt: skip
 
 
-def build_app(*commands: Callable[..., None]) -> typer.Typer:
-    """A fresh app of ``commands`` in this order (default: the product's, ``smoke`` and ``plan``); ``bench/cli.py``
-    builds the ``ringkv`` script on one with the lab's commands among them."""
+# entry points of installed packages, each a callable that adds its commands to the ``ringkv`` app
+COMMAND_SETS = "ringkv.commands"
+
+
+def build_app() -> typer.Typer:
+    """The ``ringkv`` app: the product's commands, then each installed command set's, in entry-point name order."""
     app = typer.Typer(help=HELP, no_args_is_help=True)
     app.callback()(main)
-    for command in commands or (smoke, plan):
-        app.command(cls=RenamedFlagsCommand)(command)
+    add_commands(app, smoke, plan)
+    for entry_point in sorted(entry_points(group=COMMAND_SETS), key=lambda entry: entry.name):
+        entry_point.load()(app)
     return app
+
+
+def add_commands(app: typer.Typer, *commands: Callable[..., None]) -> None:
+    """Register ``commands`` on ``app`` in this order, each refusing its renamed flags (``RENAMED_FLAGS``)."""
+    for command in commands:
+        app.command(cls=RenamedFlagsCommand)(command)
 
 
 app = build_app()

@@ -126,7 +126,7 @@ def ringkv_commands() -> list[tuple[str, list[str]]]:
     ("page", "words"), ringkv_commands(), ids=lambda value: " ".join(value) if isinstance(value, list) else value
 )
 def test_every_cited_ringkv_command_and_flag_exists(page, words):
-    from ringkv.bench.cli import app
+    from ringkv.integration.cli import app
     from typer.testing import CliRunner
 
     result = CliRunner().invoke(app, [*[word for word in words if word != "..."], "--help"])

@@ -65,3 +65,18 @@ def test_the_product_imports_neither_bench_nor_the_lab():
 def test_the_kernels_import_no_vllm():
     offenders = sorted({(module, name) for module, name in imported_names("ringkv.kernels") if within(name, "vllm")})
     assert not offenders, f"the kernels import vLLM: {offenders}"
+
+
+def test_the_ringkv_script_is_the_products_app_and_finds_the_labs_commands():
+    """The installed ``ringkv`` script runs ``ringkv.integration.cli:app``, which adds the lab's commands through the
+    ``ringkv.commands`` entry point (it imports nothing of the lab itself)."""
+    from importlib.metadata import entry_points
+
+    from ringkv.integration.cli import COMMAND_SETS, app
+
+    (script,) = entry_points(group="console_scripts", name="ringkv")
+    assert script.value == "ringkv.integration.cli:app"
+    assert [entry.value for entry in entry_points(group=COMMAND_SETS)] == ["ringkv.bench.cli:add_lab_commands"]
+    commands = [command.callback.__name__ for command in app.registered_commands]
+    assert commands == ["smoke", "plan", "demo", "admission", "e2e"]
+    assert [group.name for group in app.registered_groups] == ["bench"]

@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 from ringkv.bench.lab.simulation.cells import Cell, run_cell
 from ringkv.bench.lab.simulation.offloading import Offloading
 from ringkv.bench.lab.simulation.scheduler_run import build_vllm_config, make_scheduler
-from ringkv.bench.load import LoadOptions
+from ringkv.bench.load_options import LoadOptions
 
 pytestmark = pytest.mark.vllm
 

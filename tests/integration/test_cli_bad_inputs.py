@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from ringkv.bench.cli import app
+from ringkv.integration.cli import app
 from typer.testing import CliRunner
 
 FOLDER = "a-folder"

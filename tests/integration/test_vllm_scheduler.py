@@ -42,7 +42,7 @@ def test_scheduler_262144_context_holds_exactly_r_blocks(config):
 
 
 def test_admission_cli(tmp_path):
-    from ringkv.bench.cli import app
+    from ringkv.integration.cli import app
     from typer.testing import CliRunner
 
     plot = tmp_path / "admission.png"
@@ -69,7 +69,7 @@ def test_prefix_caching_the_ring_admits_262144_and_a_second_request_hits_the_cac
 
 
 def test_admission_cli_prefix_caching(tmp_path):
-    from ringkv.bench.cli import app
+    from ringkv.integration.cli import app
     from typer.testing import CliRunner
 
     plot = tmp_path / "admission.png"
