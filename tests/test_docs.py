@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The README is a user's page and the docs stay true to the tree: every non-test ``.py`` file is named in the
-README's layout table, every link and every cited repository path exists, every ``ringkv`` command cited names
-flags the CLI has, and the README keeps its size limits."""
+README's layout table, every link (its anchor too) and every cited repository path exists, every ``ringkv``
+command cited names flags the CLI has, the README keeps its size limits and cites its load figures as the results
+file holds them, and every plugin module's docstring stays short (its rule is explained once, in docs/)."""
 
 from __future__ import annotations
 
+import ast
 import re
 import shlex
 import subprocess
@@ -14,7 +16,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
-PAGES = [README, REPO / "bench" / "README.md", REPO / "ENVs.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [
+    README,
+    REPO / "bench" / "README.md",
+    REPO / "ENVs.md",
+    *sorted((REPO / "docs").glob("*.md")),
+    *sorted((REPO / "bench" / "results").glob("*.md")),
+]
 # a backticked path is checked when it starts at one of these repository entries (vLLM's own paths are not)
 TOP_LEVEL = ("kernels/", "dflash2/", "integration/", "bench/", "ci/", "tests/", "docs/", ".ci/")
 TOP_FILES = ("README.md", "ENVs.md", "noxfile.py", "pyproject.toml")
@@ -141,3 +149,86 @@ def test_the_readme_is_a_page_a_user_reads():
     assert words <= 1500, f"README.md has {words} words; keep it to 1,500 and move detail to docs/"
     long = [number for number, line in enumerate(lines, 1) if len(line) > 120]
     assert not long, f"README.md lines over 120 characters: {long}"
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    anchors = set()
+    for heading in re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", text, flags=re.S), flags=re.M):
+        anchors.add(re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-"))
+    return anchors
+
+
+def plugin_docstrings(folder: Path) -> dict[Path, str]:
+    """Each module docstring of ``folder``'s ``.py`` files, read with ``ast`` (nothing imported)."""
+    docstrings = {}
+    for path in sorted(folder.glob("*.py")):
+        docstring = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+        if docstring is not None:
+            docstrings[path] = docstring
+    return docstrings
+
+
+PLUGIN = REPO / "integration" / "vllm"
+DOCSTRING_LINES = 12
+
+
+def shown(path: Path) -> str:
+    """``path`` as a message names it: from the repository root where it lies inside it."""
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def test_every_link_anchor_names_a_heading():
+    """A link's ``#anchor`` names a heading of the page it links to; a plugin module's docstring links (to where
+    docs/ explains its rule) are checked here too, their targets included."""
+    texts = {page: page.read_text() for page in PAGES}
+    texts.update(plugin_docstrings(PLUGIN))
+    broken = []
+    for page, text in texts.items():
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", text):
+            linked = (page.parent / target) if target else page
+            if "://" in target:
+                continue
+            if not linked.exists():
+                broken.append(f"{shown(page)}: {target} does not exist")
+            elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked.read_text()):
+                broken.append(f"{shown(page)}: {target}#{anchor} names no heading")
+    assert not broken, "broken links: " + "; ".join(broken)
+
+
+def test_every_plugin_module_docstring_is_short():
+    long = {path: len(doc.splitlines()) for path, doc in plugin_docstrings(PLUGIN).items()}
+    long = {path: lines for path, lines in long.items() if lines > DOCSTRING_LINES}
+    assert not long, (
+        f"plugin module docstrings over {DOCSTRING_LINES} lines (explain the rule once in docs/ and link it): "
+        + "; ".join(f"{shown(path)} ({lines})" for path, lines in long.items())
+    )
+
+
+LOAD_RESULTS = REPO / "bench" / "results" / "load_w2048_cpu.txt"
+
+
+def base_pool_turn_medians(results: str) -> dict[str, str]:
+    """Per mode, the per-turn recompute p50 at the base pool (``(1)``) of a ``ringkv bench load`` table."""
+    medians = {}
+    for line in results.splitlines():
+        cells = [cell.strip() for cell in line.strip("│ ").split("│")]
+        if len(cells) > 3 and cells[0].endswith("(1)"):
+            medians[cells[1]] = cells[3].split(" / ")[0]
+    return medians
+
+
+def test_the_readme_cites_the_load_figures_its_results_file_holds():
+    readme = " ".join(README.read_text().split())
+    cited = re.search(
+        r"a median ([\d,]+) target tokens \(stock ([\d,]+); ([\d,]+) under the rebuild cap; the base pool of "
+        rf"`bench/results/{re.escape(LOAD_RESULTS.name)}`\)",
+        readme,
+    )
+    assert cited, f"README.md no longer cites the per-turn recompute medians of {shown(LOAD_RESULTS)}"
+    medians = base_pool_turn_medians(LOAD_RESULTS.read_text())
+    measured = tuple(medians.get(mode) for mode in ("ring-cached", "stock", "ring-today"))
+    assert cited.groups() == measured, (
+        f"README.md cites medians (ring-cached, stock, ring-today) {cited.groups()}, "
+        f"{shown(LOAD_RESULTS)} holds {measured} at its base pool"
+    )

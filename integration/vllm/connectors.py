@@ -1,30 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """KV connectors with a ring: which ones the ring can serve, and the cap on what they load.
 
-A ring group keeps no K/V a connector could move (its blocks are overwritten in place: row entry ``j`` is
-``ring[j mod R]``, so most entries of a long row name blocks that now hold later positions). What a connector
-may do is what a prefix hit does (``prefix_cache``): give the target's groups a prefix, at most
-``N - (W - 1)`` tokens of a request of N, so that the target's recompute of the rest rebuilds every ring.
-Three things make a connector safe:
-
-- no ring group takes part in KV transfer: ``wrap_group_spec_init`` (a ``patches.PATCHES`` entry) sets vLLM's
-  ``KVCacheGroupSpec.enable_kv_transfer`` to False for every ring group, so it leaves
-  ``KVCacheConfig.transfer_group_ids`` and ``prefix_cacheable_group_ids`` (0.32 to 0.34), the groups vLLM's
-  connectors store, load or move, while vLLM's local prefix cache keeps asking the spec (a cached ring's windows,
-  ``RINGKV_RING_PREFIX_CACHE``, stay in it). vLLM's ``OffloadingConnector`` offloads only
-  ``prefix_cacheable_group_ids`` (``get_offloading_group_ids``), and bounds its load by the local hit of every
-  prefix-cacheable group it does not offload (``_bounding_group_ids``): a cached ring's, through
-  ``HybridKVCacheCoordinator.find_longest_cache_hit_per_group`` (wrapped as ``find_longest_cache_hit`` is);
-- it reads the groups it moves from those ids, never from the spec alone (the connector's own source decides);
-- its external hit is capped *inside its own answer* (``get_num_new_matched_tokens``): ``OffloadingConnector``
-  remembers the boundary it offered and asserts it in ``update_state_after_alloc``, so the scheduler's number
-  cannot be lowered afterwards. Its answer is bounded by ``_max_loadable_tokens`` (0.32 to 0.34), which
-  ``wrap_max_loadable_tokens`` (a ``patches.PATCHES`` entry) bounds by ``external_hit_cap``. A cached ring is
-  capped too: its windows cover what the local cache holds, not what a connector loads beyond it.
-
-Connectors outside vLLM declare the last two by setting ``RING_SAFE_ATTRIBUTE`` on their class; they call
-``external_hit_cap`` in ``get_num_new_matched_tokens`` themselves (``ringkv.bench.lab.e2e.kv_transfer`` does).
-``check_connector`` (from ``planning.check_ring_config``) refuses every other connector at startup, naming the fix.
+No connector moves a ring (its row names blocks overwritten since): ``wrap_group_spec_init`` sets vLLM's
+``KVCacheGroupSpec.enable_kv_transfer`` to False for every ring group, so it leaves the groups vLLM's connectors
+store, load or move. A connector's hit stops at the rebuild cap inside its own answer (``external_hit_cap``:
+``wrap_max_loadable_tokens`` bounds ``OffloadingConnector``'s load by it; a connector outside vLLM that sets
+``RING_SAFE_ATTRIBUTE`` calls it itself). ``check_connector`` (from ``planning.check_ring_config``) refuses every
+other connector at startup, naming the fix. The conditions, and vLLM's connectors one by one:
+[docs/connectors.md](../../docs/connectors.md).
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Prefix caching with a ring: a hit never reaches into a window the ring cannot serve.
+"""Prefix caching with a ring: vLLM's lookup and free, wrapped so that every hit is one the ring can serve.
 
-With ``cache_ring`` (the default, ``RINGKV_RING_PREFIX_CACHE``) the ring group takes part in vLLM's lookup and a
-freed request's window is hashed (``cached_ring.py``); two wraps serve it: ``wrap_find_longest_cache_hit`` tells the
-ring's finder the request's length, ``wrap_free`` has the ring hash its window and free it before vLLM frees the
-other groups.
-
-Without it, a ring group keeps no K/V across requests (its blocks are overwritten in place, never hashed), so vLLM's
-hybrid coordinator leaves it out of the hit lookup (``prefix_cacheable`` is False) and would grant the target groups'
-whole hit. A drafter's context K/V at position ``p`` are a function of the target's hidden state at ``p`` alone,
-so recomputing the target from the hit on rebuilds the drafter's ring as a side effect, provided the hit stops
-where the ring's first query can still see (``ring_geometry.longest_rebuilding_prefix_hit``):
-
-    hit <= num_tokens - (W - 1)            (then aligned down to vLLM's block by the full-attention lookup)
-
-``wrap_find_longest_cache_hit`` (installed by ``register()`` from ``patches.PATCHES``) makes vLLM's coordinator
-ask for no longer a hit than that (the smallest cap over the ring groups); the full-attention groups keep their hit
-up to the cap, and the target recomputes at most ``W - 1`` tokens plus one block. A target's own sliding layers on
-the ring cannot be rebuilt that way (each recomputed query needs the keys before it): ``planning.check_ring_config``
-refuses that with prefix caching on.
+``wrap_find_longest_cache_hit`` (vLLM's coordinator, both finders) stops the hit at the rebuild cap of every ring group
+without ``cache_ring`` (``rebuild_cap``, ``ring_hit_cap``) and tells a cached ring's finder the request's length
+(``cached_ring.lookup_tokens``); ``wrap_free`` and ``wrap_pop_blocks_for_free`` have each ring hash its tail
+(``RingSWAManager.release``, ``hash_tail``) before vLLM frees the other groups. The rebuild cap, the cached ring's
+hit and hash rules: [docs/vllm-plugin.md](../../docs/vllm-plugin.md#prefix-caching).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Model Runner V2's DFlash speculator (DFlash2's too: it subclasses it) and the ring: one ordering fix.
 
-With FULL CUDA graphs, a step whose target batch has more rows than the graph's context rows (a prefill chunk)
-stores the drafter's context K/V in two calls: rows ``[num_context, T)`` eagerly before the replay, then rows
-``[0, num_context)`` inside the graph (``DFlashSpeculator._prepare_graph_replay``, ``_prepare_graph_forward``).
-On the ring two rows of one step can share a slot: a long chunk's first rows sit in a block the manager
-appended live in an earlier step (the previous step's partial or lookahead block), its last rows in the block
-R columns further on, the same physical block. ``do_kv_cache_update`` keeps only the last writer of a slot
-*within one call*; split, the chunk's first (dead) row is written after its later (live) one and wins.
-
-``wrap_precompute_context_kv`` (installed by ``register()`` from ``patches.PATCHES``) PADs, before the eager part,
-every row of a ring group's context slot mapping whose slot a later row of the same step also writes, in place:
-the graph reads that buffer. Groups that are not on the ring are left alone (their slots never repeat within a
-step).
+With FULL CUDA graphs a prefill chunk's context K/V are stored in two calls around the graph replay, the chunk's
+first rows last, and on the ring a dead first row can share a slot with a live later one.
+``wrap_precompute_context_kv`` (a ``patches.PATCHES`` entry) PADs, in place and before the eager call, every row of
+a ring group's context slot mapping whose slot a later row of the same step also writes. Why two rows share a slot:
+[docs/vllm-plugin.md](../../docs/vllm-plugin.md#model-runner-v2s-split-context-store).
 """
 
 from __future__ import annotations
