@@ -14,12 +14,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from ringkv.integration.cli import app
 from ringkv.bench.lab.simulation.census import CacheCensus
 from ringkv.bench.lab.simulation.load import distinct_prefixes, nearest_rank
 from ringkv.bench.lab.simulation.workloads import WORKLOADS, Lengths, Part, conversations
 from ringkv.bench.load import differing_repeats
 from ringkv.bench.load_options import LoadOptions
+from ringkv.integration.cli import app
 from typer.testing import CliRunner
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
