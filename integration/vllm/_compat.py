@@ -166,6 +166,23 @@ def free_queue_front(block_pool: BlockPool) -> Iterator[KVCacheBlock]:
         node = node.next_free_block
 
 
+def cached_copies(block_pool: BlockPool, block_hash: object) -> list[KVCacheBlock]:
+    """Every block the prefix cache holds under ``block_hash`` (a hash with its group id): vLLM keeps duplicates,
+    and ``get_cached_block`` names one. ``cached_block_hash_to_block``: 0.32 keeps a block or a dict of them per hash
+    (``_cache``); 0.34 keeps one block id per hash (``_cache``) and every id of a duplicated one (``_dup_ids``),
+    resolved through ``_blocks``."""
+    cache = block_pool.cached_block_hash_to_block
+    if hasattr(cache, "_dup_ids"):
+        ids = cache._dup_ids.get(block_hash)
+        first = cache._cache.get(block_hash)
+        ids = list(ids) if ids is not None else ([] if first is None else [first])
+        return [cache._blocks[block_id] for block_id in ids]
+    held = cache._cache.get(block_hash)
+    if held is None:
+        return []
+    return list(held.values()) if isinstance(held, dict) else [held]
+
+
 def move_to_free_queue_front(block_pool: BlockPool, blocks: list[KVCacheBlock]) -> None:
     """Move free ``blocks`` to the front of the free queue, in their order (``remove``, ``prepend_n``)."""
     queue = block_pool.free_block_queue
@@ -321,6 +338,7 @@ __all__ = [
     "alias_attention_backend",
     "attention_backend_path",
     "block_pool_class",
+    "cached_copies",
     "connector_kv_cache_config",
     "context_slot_mappings",
     "cpu_attention_classes",

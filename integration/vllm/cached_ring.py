@@ -19,7 +19,7 @@ from typing import Any
 
 from ringkv.kernels.ring_geometry import RingPlan
 
-from ._compat import BlockPool, KVCacheBlock, drop_cached_hash, resolve_block_hashes
+from ._compat import BlockPool, KVCacheBlock, cached_copies, drop_cached_hash, resolve_block_hashes
 from .errors import RingConfigError
 from .eviction import CachedTails
 from .request_ring import RequestRing
@@ -166,6 +166,8 @@ class CachedRing:
         tail = self.tail_to_hash(request, drafter_max_len)
         for block in self.superseded_tails(request, min(tail, default=len(self.req_to_blocks[request_id]))):
             drop_cached_hash(self.block_pool, block)
+        for block in self.duplicated(request_id):
+            drop_cached_hash(self.block_pool, block)
         hashable = self.uncached(request, tail)
         if hashable:
             first, last = min(hashable), max(hashable)
@@ -195,10 +197,27 @@ class CachedRing:
 
     def uncached(self, request: Any, blocks: set[int]) -> set[int]:
         """The logical ``blocks`` no cached copy serves yet (a turn that recomputed past an earlier turn's tail holds
-        blocks that tail left cached: hashing them again would duplicate it)."""
+        blocks that tail left cached: hashing them again would duplicate it). A copy a running request holds
+        (it adopted it: a shared prefix, such as a system prompt, puts one conversation's tail blocks in another's
+        ring) serves only while that request runs: its column moves on and rewrites the block, hash dropped
+        (``allocate_new_blocks``). So this tail hashes its own copy too (``duplicated`` keeps one later)."""
         hashes = resolve_block_hashes(request.block_hashes, self.block_pool.hash_block_size, self.block_size)
-        group = [self.kv_cache_group_id]
-        return {j for j in blocks if self.block_pool.get_cached_block(hashes[j], group) is None}
+
+        def served(j: int) -> bool:  # the copy a lookup adopts (vLLM's get_cached_block names one) is unheld
+            found = self.block_pool.get_cached_block(hashes[j], [self.kv_cache_group_id])
+            return found is not None and found[0].ref_cnt == 0
+
+        return {j for j in blocks if not served(j)}
+
+    def duplicated(self, request_id: str) -> list[KVCacheBlock]:
+        """The hashed blocks of a ring being freed whose hash another cached block carries too (a tail freed while
+        this request held its copy hashed its own, ``uncached``): the other copy stays."""
+        pool = self.block_pool
+        return [
+            block for block in self.rings[request_id].claimed()
+            if block.block_hash is not None
+            and len(cached_copies(pool, block.block_hash)) > 1
+        ]  # fmt: skip
 
     def superseded_tails(self, request: Any, below: int) -> list[KVCacheBlock]:
         """The unheld cached ring blocks of ``request``'s own prefix below logical block ``below`` (its tail): the tails

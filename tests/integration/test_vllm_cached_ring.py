@@ -265,3 +265,52 @@ def test_a_cached_ring_looked_up_outside_vllms_coordinator_names_the_fix():
     with pytest.raises(RingConfigError, match=r"register the plugin .* or set RINGKV_RING_PREFIX_CACHE=0"):
         type(ring).find_longest_cache_hit([], 64, [ring.kv_cache_group_id], ring.block_pool, ring.kv_cache_spec,
                                           False, TARGET_BLOCK)  # fmt: skip
+
+
+@pytest.mark.parametrize("b_tokens", [100, 12], ids=["B moves on", "B freed holding them"])
+def test_a_tail_whose_blocks_another_running_ring_adopted_still_serves_its_next_turn(b_tokens):
+    """Two conversations share a 96-token system prompt. A's tail is adopted by B (running), and C, freed while B
+    holds those prompt blocks, must hash its own copies: once B's columns move on and rewrite the blocks it adopted
+    (their hashes dropped), C's next turn still hits as far as the target's cache does (96 tokens, stock's hit),
+    not 32; freed while holding them, B's duplicate copies lose their hashes. Seen failing when a tail counted a
+    copy another running ring holds as serving (the chat workload of ``ringkv bench load`` lost two turns' first
+    target block to it), and without the duplicates dropped."""
+    sched, hasher = scheduler(400, cache_ring=True)
+    ring = drafter_manager(sched.kv_cache_manager)
+    audit = RingAudit(group=len(sched.kv_cache_config.kv_cache_groups) - 1, block_size=DRAFTER.kv_block_size,
+                      window=DRAFTER.window, lookahead=DRAFTER.lookahead, drafter_max_len=4096)  # fmt: skip
+    audit.watch_hashing(ring.block_pool)
+    rng = random.Random(0)
+    system = [rng.randrange(3, 1000) for _ in range(96)]
+    requests: dict[str, object] = {}
+    order: list[str] = []
+
+    def add(request_id: str, prompt: list[int], max_tokens: int) -> None:
+        requests[request_id] = make_request(request_id, prompt, max_tokens=max_tokens, block_hasher=hasher)
+        sched.add_request(requests[request_id])
+
+    def submit(sched_) -> None:
+        done = {rid for rid, request in requests.items() if request.is_finished()}
+        order.extend(sorted(done - set(order)))
+        if "A" in done and "B" not in requests:
+            add("B", system + [7] * 8, max_tokens=b_tokens)
+        # B's ring moved past the prompt: columns 2..5 now hold logical blocks 8..11
+        moved_on = len(ring.req_to_blocks.get("B", ())) > 11
+        if "C" in done and (moved_on or "B" in done) and "C1" not in requests:
+            add("C1", list(requests["C"].all_token_ids) + [9] * 8, max_tokens=4)
+
+    add("A", system + [5] * 8, max_tokens=4)
+    add("C", system + [6] * 8, max_tokens=6)
+    hits: dict[str, int] = {}
+
+    def on_step(output) -> None:
+        for new in output.scheduled_new_reqs:
+            hits[new.req_id] = new.num_computed_tokens
+
+    run(sched, audit, submit, rng, on_step=on_step)
+    assert order.index("C") < order.index("B"), "C must be freed while B still holds the prompt blocks it adopted"
+    assert hits["B"] == 96, "B did not adopt A's tail of the shared prompt: the scenario does not exercise it"
+    assert hits["C1"] == 96, f"C's next turn hit {hits['C1']} tokens; the target's cache (and stock) give 96"
+    # B's copies of the prompt blocks lost their hashes when it moved on or was freed: C's stay, one per hash
+    hashes = ring_hashes(sched)
+    assert hashes and len(set(hashes)) == len(hashes), "a ring block cached twice under one hash"
