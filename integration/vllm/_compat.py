@@ -94,6 +94,14 @@ from vllm.v1.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec, repl
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 
+def uses_model_runner_v2(vllm_config: VllmConfig) -> bool:
+    """Whether the workers run Model Runner V2: 0.34 has no other runner; 0.32 and 0.33 decide it in
+    ``VllmConfig.use_v2_model_runner`` (``VLLM_USE_V2_MODEL_RUNNER``; a config without it: V1, their default)."""
+    if vllm_version().release[:2] >= (0, 34):
+        return True
+    return bool(getattr(vllm_config, "use_v2_model_runner", False))
+
+
 def engine_args_class() -> type:
     """``EngineArgs`` (imported only where ``VLLM_ATTENTION_BACKEND`` selects the ring)."""
     from vllm.engine.arg_utils import EngineArgs
@@ -367,6 +375,7 @@ __all__ = [
     "resolve_block_hashes",
     "set_current_vllm_config",
     "supports_hma",
+    "uses_model_runner_v2",
     "vllm_version",
     "worker_class",
 ]

@@ -12,7 +12,7 @@ from ._compat import SlidingWindowSpec, get_current_vllm_config_or_none
 from .capabilities import RingKVCapabilities
 from .impl import RingKVImpl
 from .metadata import RingKVMetadataBuilder
-from .planning import check_ring_config, drafter_max_len_from_config, lookahead_from_config
+from .planning import check_ring_config, drafter_max_len_from_config, drafter_skips_from_config, lookahead_from_config
 from .ring_spec import to_ring_spec
 
 
@@ -45,4 +45,9 @@ class RingKVBackend(RingKVCapabilities):
         vllm_config = get_current_vllm_config_or_none()
         if vllm_config is not None:
             check_ring_config(vllm_config)
-        return to_ring_spec(spec, lookahead_from_config(vllm_config), drafter_max_len_from_config(vllm_config))
+        return to_ring_spec(
+            spec,
+            lookahead_from_config(vllm_config),
+            drafter_max_len_from_config(vllm_config),
+            drafter_skips_from_config(vllm_config),
+        )

@@ -55,8 +55,8 @@ def looked_up_tokens() -> int:
 class DrafterSkipGuard:
     """Which requests took part in a scheduler step whose batch may have skipped the drafter (vLLM's V1 runner runs
     it, and so stores context K/V, only for a batch whose longest sequence + lookahead fits the drafter's max
-    length): per request, the longest sequence of any step it took part in. ``record`` each allocation, ``close``
-    the step when the next one starts."""
+    length; Model Runner V2 always stores them): per request, the longest sequence of any step it took part in.
+    ``record`` each allocation, ``close`` the step when the next one starts."""
 
     def __init__(self) -> None:
         self.open: dict[str, int] = {}  # this step's requests -> their sequence length after the step
@@ -181,10 +181,12 @@ class CachedRing:
     def tail_to_hash(self, request: Any, drafter_max_len: int) -> set[int]:
         """The logical blocks of ``request``'s ring whose K/V a later request may adopt as it is freed: held by their
         column, named by the row, wholly below the committed tokens less the steps in flight, from a request none of
-        whose steps may have skipped the drafter; those already hashed (adopted) aside."""
+        whose steps may have skipped the drafter (V1's rule, ``RingSWASpec.drafter_skips_near_max_len``); those
+        already hashed (adopted) aside."""
         request_id = request.request_id
         lookahead = self.plan.lookahead
-        if self.drafter_skips.skipped(request_id, lookahead, drafter_max_len):
+        spec = self.kv_cache_spec
+        if spec.drafter_skips_near_max_len and self.drafter_skips.skipped(request_id, lookahead, drafter_max_len):
             return set()
         # a request stopped by its length may have verified drafts past its last token: they have no hash
         committed = min(request.num_computed_tokens, request.num_tokens)

@@ -19,7 +19,7 @@ from typing import Any
 
 from ringkv.kernels.varlen import MAX_QUERY_LEN
 
-from ._compat import AttentionBackendEnum, VllmConfig, set_current_vllm_config
+from ._compat import AttentionBackendEnum, VllmConfig, set_current_vllm_config, uses_model_runner_v2
 from .connectors import check_connector
 from .errors import RingConfigError
 from .names import RING_NAMES, UNPLANNED
@@ -40,6 +40,12 @@ def drafter_max_len_from_config(vllm_config: VllmConfig | None) -> int:
     set (V1 skips the drafter, and its context K/V store, for a batch past it); 0 (the engine's) otherwise."""
     draft = getattr(getattr(vllm_config, "speculative_config", None), "draft_model_config", None)
     return int(getattr(draft, "max_model_len", None) or 0)
+
+
+def drafter_skips_from_config(vllm_config: VllmConfig | None) -> bool:
+    """Whether vLLM's model runner skips the drafter near its max length (V1 does; Model Runner V2 does not:
+    ``uses_model_runner_v2``); True without a config (the rule that hashes less)."""
+    return vllm_config is None or not uses_model_runner_v2(vllm_config)
 
 
 def check_ring_config(vllm_config: VllmConfig) -> None:

@@ -30,6 +30,9 @@ class RingSWASpec(SlidingWindowSpec):
     cache_ring: bool = field(default=False)
     # the longest sequence vLLM runs the drafter for (its speculative config's max_model_len); 0: the engine's own
     drafter_max_len: int = field(default=0)
+    # the model runner skips the drafter, and its context K/V store, for a batch within the lookahead of that length
+    # (V1's rule); Model Runner V2 has no such skip: it stores the context K/V and clamps the queries instead
+    drafter_skips_near_max_len: bool = field(default=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -94,14 +97,15 @@ def is_ring_spec(spec: Any) -> bool:
     )
 
 
-def to_ring_spec(spec: Any, lookahead: int, drafter_max_len: int = 0) -> Any:
-    """Turn a ``SlidingWindowSpec`` into a ``RingSWASpec`` planned for ``lookahead`` (and ``drafter_max_len``), its
-    ``cache_ring`` from ``ring_prefix_cache_enabled()`` (other specs pass through; a ring spec is re-planned only
-    while unplanned)."""
+def to_ring_spec(spec: Any, lookahead: int, drafter_max_len: int = 0, drafter_skips_near_max_len: bool = True) -> Any:
+    """Turn a ``SlidingWindowSpec`` into a ``RingSWASpec`` planned for ``lookahead`` (and the drafter's max length and
+    skip rule), its ``cache_ring`` from ``ring_prefix_cache_enabled()`` (other specs pass through; a ring spec is
+    re-planned only while unplanned)."""
     if isinstance(spec, RingSWASpec):
         if spec.lookahead != UNPLANNED or lookahead == UNPLANNED:
             return spec
     elif not isinstance(spec, SlidingWindowSpec):
         return spec
     return replace_as(spec, RingSWASpec, lookahead=lookahead, cache_ring=ring_prefix_cache_enabled(),
-                      drafter_max_len=drafter_max_len)  # fmt: skip
+                      drafter_max_len=drafter_max_len,
+                      drafter_skips_near_max_len=drafter_skips_near_max_len)  # fmt: skip

@@ -51,6 +51,8 @@ class RingAudit:
     window: int
     lookahead: int
     drafter_max_len: int
+    # V1's runner skips the drafter (and its store) near the drafter's max length; Model Runner V2 never does
+    runner_skips: bool = True
     slots: dict[int, list[Any]] = field(default_factory=dict)  # block id -> per-slot key
     rows: dict[str, list[int]] = field(default_factory=dict)  # request id -> the worker's row (block ids)
     keys: dict[str, PrefixKeys] = field(default_factory=dict)
@@ -84,10 +86,10 @@ class RingAudit:
             self.slots.setdefault(where[0], [None] * self.block_size)[where[1]] = key
 
     def step(self, output: Any, requests: dict[str, Any], committed: dict[str, int], sampled: set[str]) -> None:
-        """One scheduled step's writes and reads (``committed``: each request's count after the step). vLLM runs
-        no drafter for a batch whose longest sequence is within the lookahead of the drafter's max length."""
+        """One scheduled step's writes and reads (``committed``: each request's count after the step). V1 runs no
+        drafter for a batch whose longest sequence is within the lookahead of the drafter's max length."""
         longest = max(requests[request_id].num_computed_tokens for request_id in output.num_scheduled_tokens)
-        if longest + self.lookahead > self.drafter_max_len:
+        if self.runner_skips and longest + self.lookahead > self.drafter_max_len:
             for request_id, scheduled in output.num_scheduled_tokens.items():
                 end = requests[request_id].num_computed_tokens
                 self.skipped.setdefault(request_id, set()).update(range(end - scheduled, end))

@@ -116,6 +116,21 @@ def test_spec_is_planned_with_vllms_lookahead_only_inside_its_config():
     assert planned.lookahead == 8 and planned.ring_blocks == 130
 
 
+@pytest.mark.parametrize("v2", [False, True], ids=["V1 runner", "Model Runner V2"])
+def test_the_spec_knows_whether_the_runner_skips_the_drafter_near_its_max_length(v2):
+    """V1 skips the drafter, and its context K/V store, for a batch within the lookahead of the drafter's max length
+    (the cached ring then hashes nothing of the requests in it); Model Runner V2 (0.34's only runner) never does."""
+    from ringkv.integration.vllm._compat import vllm_version
+    from vllm.config import set_current_vllm_config
+
+    config = dflash_config()
+    config.use_v2_model_runner = v2
+    with set_current_vllm_config(config):
+        planned = RingKVBackend.customize_spec(swa_spec())
+    only_v2 = vllm_version().release[:2] >= (0, 34)
+    assert planned.drafter_skips_near_max_len is not (v2 or only_v2)
+
+
 def test_worker_spec_collection_runs_inside_the_workers_config():
     """vLLM's Worker.get_kv_cache_spec calls customize_spec with no config in scope; register() wraps it."""
     from ringkv.integration.vllm import patches

@@ -32,7 +32,7 @@ TARGET_BLOCK = 32  # hits align to lcm(32, 16)
 
 def scheduler(
     pool_blocks: int, cache_ring: bool, max_model_len: int = 4096, max_num_seqs: int = 4, prefix_caching: bool = True,
-    drafter_max_len: int = 0,
+    drafter_max_len: int = 0, v2_runner: bool = False,
 ):  # fmt: skip
     deployment = Deployment(
         pool_blocks=pool_blocks, target_groups=2, target_kv_block_size=TARGET_BLOCK, drafter=DRAFTER,
@@ -42,7 +42,8 @@ def scheduler(
     config = build_vllm_config(deployment)
     kv_config = deployment.kv_cache_config(ring=True)
     ring_group = kv_config.kv_cache_groups[-1]
-    ring_spec = replace(ring_group.kv_cache_spec, cache_ring=cache_ring, drafter_max_len=drafter_max_len)
+    ring_spec = replace(ring_group.kv_cache_spec, cache_ring=cache_ring, drafter_max_len=drafter_max_len,
+                        drafter_skips_near_max_len=not v2_runner)  # fmt: skip
     kv_config.kv_cache_groups[-1] = replace(ring_group, kv_cache_spec=ring_spec)
     made = Scheduler(config, kv_config, StructuredOutputManager(config), block_size=TARGET_BLOCK,
                      hash_block_size=DRAFTER.kv_block_size)  # fmt: skip
@@ -94,6 +95,7 @@ class Traffic:
 def drive(
     pool_blocks: int, cache_ring: bool, seed: int = 0, abort_at: int | None = None, edge: int | None = None,
     prefix_caching: bool = True, edge_is_the_drafters: bool = False, deferred_frees: bool = False,
+    v2_runner: bool = False,
 ):  # fmt: skip
     """The traffic through a scheduler, audited; ``edge``: also a request to that max model length (the engine's,
     or with ``edge_is_the_drafters`` the drafter's alone); ``deferred_frees``: every free deferred, as vLLM does
@@ -101,7 +103,7 @@ def drive(
     (``pop_blocks_for_free`` now, the blocks back in the pool a step later)."""
     engine_max = 4096 if edge is None or edge_is_the_drafters else edge
     sched, hasher = scheduler(pool_blocks, cache_ring, max_model_len=engine_max, prefix_caching=prefix_caching,
-                              drafter_max_len=edge if edge_is_the_drafters else 0)  # fmt: skip
+                              drafter_max_len=edge if edge_is_the_drafters else 0, v2_runner=v2_runner)  # fmt: skip
     if deferred_frees:
         sched.defer_block_free = True
         sched._request_blocks_can_be_freed = lambda request: False
@@ -109,7 +111,7 @@ def drive(
     ring = drafter_manager(sched.kv_cache_manager)
     audit = RingAudit(group=len(sched.kv_cache_config.kv_cache_groups) - 1, block_size=DRAFTER.kv_block_size,
                       window=DRAFTER.window, lookahead=DRAFTER.lookahead,
-                      drafter_max_len=edge or engine_max)  # fmt: skip
+                      drafter_max_len=edge or engine_max, runner_skips=not v2_runner)  # fmt: skip
     audit.watch_hashing(ring.block_pool)
     record = {"preemptions": 0, "hits": 0, "adopted": 0, "peak_held": 0, "accounting": []}
 
@@ -231,6 +233,16 @@ def test_windows_from_batches_that_skipped_the_drafter_are_never_hashed(drafters
     _, _, audit, record, _ = drive(400, cache_ring=True, edge=1024, edge_is_the_drafters=drafters)
     assert any(audit.skipped.values()), "no batch skipped the drafter: the scenario does not reach the max length"
     assert audit.hashes_checked > 0 and record["adopted"] > 0
+
+
+def test_on_model_runner_v2_tails_near_the_max_length_are_hashed():
+    """Model Runner V2 stores context K/V on every step (no drafter skip near the max length; it clamps the queries),
+    so the requests that ran beside the edge keep their tails: more blocks hashed than under V1's rule, and every
+    read and hash still of its own position and prefix (the audit models V2: no step skips)."""
+    _, _, audit_v1, _, _ = drive(400, cache_ring=True, edge=1024)
+    _, _, audit_v2, record, _ = drive(400, cache_ring=True, edge=1024, v2_runner=True)
+    assert not any(audit_v2.skipped.values()) and record["accounting"] == []
+    assert audit_v2.hashes_checked > audit_v1.hashes_checked, (audit_v2.hashes_checked, audit_v1.hashes_checked)
 
 
 def test_deferred_frees_hash_the_window_as_direct_frees_do():
