@@ -15,13 +15,16 @@ row is never mistaken for a committed one.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
 from ringkv.bench.lab.simulation._vllm import DraftTokenIds, runner_output
 
 JUNK = ("junk",)
+# what a block holds once the pool hands it out again while some request's row still names it (a ring column that
+# moved on released it): no read through the old entry may see anything (``watch_handouts``)
+POISON = ("poison",)
 
 
 class PrefixKeys:
@@ -61,9 +64,16 @@ class RingAudit:
     skipped: dict[str, set[int]] = field(default_factory=dict)
     reads_checked: int = 0
     hashes_checked: int = 0
+    # blocks handed out again while a row still named them, and how many of those in a schedule() that preempted
+    poisoned: int = 0
+    poisoned_beside_preemption: int = 0
+    poisoned_this_schedule: int = 0
 
     def follow(self, output: Any) -> None:
         """Update the worker's rows as vLLM's worker does from a ``SchedulerOutput``."""
+        if output.preempted_req_ids:
+            self.poisoned_beside_preemption += self.poisoned_this_schedule
+        self.poisoned_this_schedule = 0
         for new in output.scheduled_new_reqs:
             self.rows[new.req_id] = list(new.block_ids[self.group])
         cached = output.scheduled_cached_reqs
@@ -121,6 +131,26 @@ class RingAudit:
                 f"{'another prefix or position' if held not in (None, JUNK) else held}"
             )
             self.reads_checked += 1
+
+    def watch_handouts(self, block_pool: Any, live: Callable[[], Container[str]]) -> None:
+        """Poison every block ``BlockPool.get_new_blocks`` hands out (to any group) while the ring row of a request
+        still in the scheduler (``live()``) names it: that entry is dead (its column moved on and released the
+        block), so no later read through it may find K/V there (the target's groups write blocks this shadow does
+        not follow)."""
+        get_new_blocks = block_pool.get_new_blocks
+
+        def poisoning(num_blocks: int) -> list[Any]:
+            blocks = get_new_blocks(num_blocks)
+            running = live()
+            named = {block for request_id, row in self.rows.items() if request_id in running for block in row}
+            for block in blocks:
+                if block.block_id in named:
+                    self.slots[block.block_id] = [POISON] * self.block_size
+                    self.poisoned += 1
+                    self.poisoned_this_schedule += 1
+            return blocks
+
+        block_pool.get_new_blocks = poisoning
 
     def watch_hashing(self, block_pool: Any) -> None:
         """Check every block the ring group hashes (``BlockPool.cache_full_blocks``): each of its slots holds its
