@@ -188,9 +188,11 @@ class CachedRing:
         spec = self.kv_cache_spec
         if spec.drafter_skips_near_max_len and self.drafter_skips.skipped(request_id, lookahead, drafter_max_len):
             return set()
-        # a request stopped by its length may have verified drafts past its last token: they have no hash
-        committed = min(request.num_computed_tokens, request.num_tokens)
-        written = committed - getattr(request, "num_output_placeholders", 0) * lookahead
+        # vLLM's materialized frontier: its computed tokens less the tokens of the steps in flight (output placeholders
+        # count tokens, 1 + N per step), as vLLM caches its own blocks; a request stopped by its length may have
+        # verified drafts past its last token: they have no hash
+        frontier = request.num_computed_tokens - getattr(request, "num_output_placeholders", 0)
+        written = min(frontier, request.num_tokens)
         row = self.req_to_blocks.get(request_id, [])
         return {
             j for j, block in self.rings[request_id].held()

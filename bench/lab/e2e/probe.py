@@ -10,6 +10,8 @@ Per process it records, and writes to ``<dir>/probe-<pid>.pt`` when the schedule
   distinct physical blocks it holds after it;
 - every admission from the waiting queue: the request's tokens, the prefix hit vLLM granted, whether it resumes
   after a preemption;
+- the scheduler's class and the most output placeholders (steps in flight) a running request had;
+- torch.compile's graphs and graph breaks in the process (``enforce_eager`` off);
 - at scheduler shutdown, the block pool's free blocks against its size.
 """
 
@@ -81,6 +83,13 @@ class ProbeRecord:
     drafter_kv_block_size: int | None = None
     # the scheduler's KV groups: (spec class name, layer names)
     kv_cache_groups: list[tuple[str, list[str]]] = field(default_factory=list)
+    # the scheduler's class (vLLM's AsyncScheduler under async scheduling), and the most output placeholders (tokens
+    # of steps scheduled but not yet processed) any running request had after a schedule()
+    scheduler_class: str | None = None
+    max_output_placeholders: int = 0
+    # torch.compile in this process (enforce_eager off): graphs compiled, and graph breaks (torch._dynamo's counters)
+    compiled_graphs: int = 0
+    graph_breaks: int = 0
 
 
 _record: ProbeRecord | None = None
@@ -90,6 +99,10 @@ _config: ProbeConfig | None = None
 def _save() -> None:
     if _record is None or _config is None:
         return
+    from torch._dynamo.utils import counters
+
+    _record.compiled_graphs = int(counters["stats"].get("unique_graphs", 0))
+    _record.graph_breaks = sum(counters["graph_break"].values())
     path = Path(_config.directory) / f"probe-{_record.pid}.pt"
     torch.save(_record.__dict__, path)
 
@@ -161,6 +174,10 @@ def _scheduler_probes() -> None:
             _record.kv_cache_groups = [(type(g.kv_cache_spec).__name__, list(g.layer_names))
                                        for g in self.kv_cache_config.kv_cache_groups]  # fmt: skip
             output = original(self, *args, **kwargs)
+            _record.scheduler_class = type(self).__name__
+            _record.max_output_placeholders = max(
+                [_record.max_output_placeholders, *(getattr(r, "num_output_placeholders", 0) for r in self.running)]
+            )
             if group is not None:
                 manager = self.kv_cache_manager.coordinator.single_type_managers[group]
                 _record.ring_blocks = getattr(manager, "ring_blocks", None)

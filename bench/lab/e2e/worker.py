@@ -69,6 +69,8 @@ class EngineRunSpec:
     environment: dict[str, str] = field(default_factory=dict)
     # "module:function"s the engine process calls before it imports vLLM (e.g. "vllm_cpu_shims:install")
     preload: list[str] = field(default_factory=list)
+    # vLLM's async scheduling (its GPU default), which its CPU platform turns off (``async_scheduling.py``)
+    async_scheduling: bool = False
 
 
 def engine_environment(spec: EngineRunSpec) -> dict[str, str]:
@@ -239,6 +241,10 @@ def main(argv: list[str]) -> None:
     for target in spec.preload:
         module, function = target.split(":")
         getattr(importlib.import_module(module), function)()
+    if spec.async_scheduling:
+        from .async_scheduling import force_async_scheduling
+
+        force_async_scheduling()
     with tempfile.TemporaryDirectory(prefix="ringkv-e2e-plugin-") as plugins:
         if spec.probe is not None:
             probe_on_path(Path(plugins))
