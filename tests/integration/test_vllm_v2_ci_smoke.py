@@ -17,8 +17,10 @@ RINGKV's kernels over vLLM's spec, unchanged) and the target's own greedy contin
 - A DFlash2 drafter mixing a sliding and a full layer, on the V2 CPU runner's default (synchronous) scheduling:
   the sliding layer on the ring, the full layer on vLLM's spec, tokens and counters those of stock rows.
 
-Skipped unless vLLM 0.34.0 (the GPU wheel) is the installed vLLM; under ``RINGKV_REQUIRE=v2`` that skip fails the
-run (``tests/requirements_plugin.py``).
+The target's greedy continuation (what no speculation gives) is its chain map (``engine_models``: attention outputs
+zeroed), computed by transformers outside vLLM. Skipped unless vLLM 0.34.0 (the GPU wheel) is the installed vLLM;
+deselected from the main suite (``-m "not v2"``); ``ci/v2_smoke.sh``, which builds that environment, fails on any
+skip of it.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from __future__ import annotations
 import json
 import random
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,7 +84,7 @@ MAX_MODEL_LEN = 1152  # the second turn and its reply fit
 # 8192-token batches against W 2048); the prefill still runs in LONG_PREFILL-token chunks
 BATCHED_TOKENS, LONG_PREFILL = 2048, 256
 SMALL_POOL, ROOMY_POOL = 96, 192  # blocks of vLLM's unified page
-MIXED_PROMPTS, MIXED_REPLY = (300, 170), 8
+MIXED_PROMPTS = (300, 170)
 ASYNC_REPORT = "RINGKV_V2_SMOKE_ASYNC_REPORT"
 
 
@@ -196,14 +200,16 @@ def v2_engine(pytestconfig) -> None:
         pytest.fail(f"vLLM's GPU wheel on CPU needs ci/vllm_cpu_shims.py (-p vllm_cpu_shims): {V2_FIX}")
 
 
-def engine_spec(models: EngineModels, backend: str | None, prompts: list[list[int]], **kwargs) -> EngineRunSpec:
+def engine_spec(models: EngineModels, backend: str | None, prompts: list[list[int]], engine_args: dict | None = None,
+                **kwargs) -> EngineRunSpec:  # fmt: skip
+    """A run on vLLM's GPU wheel on CPU: the CPU shims in the engine process, the target on RINGKV too."""
     import vllm_cpu_shims
 
     return EngineRunSpec(
         target=str(models.target), drafter=str(models.drafter), drafter_backend=backend, prompts=prompts,
         max_tokens=REPLY, kv_block_size=BLOCK, max_num_seqs=len(prompts),
-        extra_engine_args=vllm_cpu_shims.ENGINE_ARGS, environment={"VLLM_TARGET_DEVICE": "cpu"},
-        preload=["vllm_cpu_shims:install"], **kwargs,
+        extra_engine_args={**vllm_cpu_shims.ENGINE_ARGS, **(engine_args or {})},
+        environment={"VLLM_TARGET_DEVICE": "cpu"}, preload=["vllm_cpu_shims:install"], **kwargs,
     )  # fmt: skip
 
 
@@ -213,63 +219,169 @@ def asynchronous(spec: EngineRunSpec, report: Path) -> EngineRunSpec:
                    environment={**spec.environment, ASYNC_REPORT: str(report)})  # fmt: skip
 
 
-def run(models: EngineModels, spec: EngineRunSpec) -> EngineRun:
-    return run_engine(spec, drafter_layers=drafter_layer_names(models.spec.target_layers, models.spec.drafter_layers))
+def launch(models: EngineModels, spec: EngineRunSpec) -> EngineRun | str:
+    """The run, or the end of its output where the engine failed."""
+    layers = drafter_layer_names(models.spec.target_layers, models.spec.drafter_layers)
+    try:
+        return run_engine(spec, drafter_layers=layers, timeout=600)
+    except EngineRunError as error:
+        return str(error)
 
 
 @pytest.fixture(scope="module")
-def dflash(v2_engine, tmp_path_factory):
-    """The conversation (turn 1: the long prompt; turn 2: it + reply + TAIL) with prefix caching on and async
-    scheduling forced on: the ring in the small pool, stock rows in a roomy one, and stock rows in the small pool
-    (its startup error)."""
+def smoke(v2_engine, tmp_path_factory) -> dict[str, Any]:
+    """Every engine run of the file, two at a time (each its own process; CI has two cores):
+
+    - the DFlash conversation (turn 1: the long prompt; turn 2: it + reply + TAIL) with prefix caching on and async
+      scheduling forced on: on the ring in the small pool ("ring"), on stock rows in a roomy one ("rows"), and on
+      stock rows in the small pool ("rows in the small pool": vLLM refuses it at startup);
+    - the mixed DFlash2 drafter on short prompts, default (synchronous) scheduling, on the ring and on stock rows.
+    """
     folder = tmp_path_factory.mktemp("v2-smoke")
-    models = untrained_dflash(folder / "dflash")
+    dflash, mixed = untrained_dflash(folder / "dflash"), untrained_mixed(folder / "mixed")
     generator = random.Random(5)
     first, tail = (random_tokens(generator, n, DFLASH.vocab_size) for n in (PROMPT, TAIL))
-    base = engine_spec(models, "ring", [first], later_waves=[[tail]], continued_slots=[0],
-                       enable_prefix_caching=True, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BATCHED_TOKENS,
-                       extra_engine_args={**engine_spec(models, None, []).extra_engine_args,
-                                          "long_prefill_token_threshold": LONG_PREFILL})  # fmt: skip
-    runs, reports = {}, {}
-    for way, backend, pool in (("ring", "ring", SMALL_POOL), ("rows", "rows", ROOMY_POOL)):
-        reports[way] = folder / f"{way}-async.json"
-        runs[way] = run(models, asynchronous(replace(base, drafter_backend=backend, num_gpu_blocks=pool),
-                                             reports[way]))  # fmt: skip
-    with pytest.raises(EngineRunError) as refused:
-        run(models, asynchronous(replace(base, drafter_backend="rows", num_gpu_blocks=SMALL_POOL),
-                                 folder / "rows-small.json"))  # fmt: skip
+    conversation = engine_spec(
+        dflash, "ring", [first], later_waves=[[tail]], continued_slots=[0], enable_prefix_caching=True,
+        max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BATCHED_TOKENS, num_gpu_blocks=SMALL_POOL,
+        engine_args={"long_prefill_token_threshold": LONG_PREFILL},
+    )  # fmt: skip
+    mixed_prompts = [random_tokens(generator, n, MIXED.models.vocab_size) for n in MIXED_PROMPTS]
+    short = engine_spec(mixed, "ring", mixed_prompts, max_model_len=512, max_num_batched_tokens=128)
+    reports = {way: folder / f"{way}-async.json" for way in ("ring", "rows")}
+    specs = {
+        "ring": (dflash, asynchronous(conversation, reports["ring"])),
+        "rows": (dflash, asynchronous(replace(conversation, drafter_backend="rows", num_gpu_blocks=ROOMY_POOL),
+                                      reports["rows"])),
+        "mixed ring": (mixed, short),
+        "mixed rows": (mixed, replace(short, drafter_backend="rows")),
+        "rows in the small pool": (dflash, asynchronous(replace(conversation, drafter_backend="rows"),
+                                                        folder / "refused-async.json")),
+    }  # fmt: skip
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(launch, models, spec) for name, (models, spec) in specs.items()}
+        runs = {name: future.result() for name, future in futures.items()}
+    for name, run in runs.items():
+        if name != "rows in the small pool" and isinstance(run, str):
+            pytest.fail(f"{name}: {run}")
     return {
-        "chain": chain_map(models), "runs": runs, "stock_refused": str(refused.value),
+        "runs": runs, "chain": chain_map(dflash), "mixed chain": chain_map(mixed),
         "async": {way: json.loads(path.read_text()) for way, path in reports.items()},
-    }
+    }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def mixed(v2_engine, tmp_path_factory):
-    """The mixed DFlash2 drafter on the ring and on stock rows, default (synchronous) scheduling."""
-    models = untrained_mixed(tmp_path_factory.mktemp("v2-smoke-mixed"))
-    generator = random.Random(7)
-    prompts = [random_tokens(generator, n, MIXED.models.vocab_size) for n in MIXED_PROMPTS]
-    spec = engine_spec(models, "ring", prompts, max_model_len=512, max_num_batched_tokens=128)
-    runs = {way: run(models, replace(spec, drafter_backend=way)) for way in ("ring", "rows")}
-    return chain_map(models), prompts, runs
+def drafter_blocks(run: EngineRun) -> list[tuple[int, int]]:
+    """Per scheduler step and running request: (tokens computed before the step, drafter blocks held after it)."""
+    return [entry for step in held_blocks(run) for entry in step.values()]
 
 
-def drafter_blocks(run: EngineRun) -> list[int]:
-    return [held for step in held_blocks(run) for _, held in step.values()]
+def assert_ring_holds_r_blocks(run: EngineRun, steps: int) -> list[int]:
+    """At most R drafter blocks at every step, exactly R once a window and the lookahead are written."""
+    assert run.scheduler["ring_blocks"] == RING_BLOCKS == 4
+    held = drafter_blocks(run)
+    assert len(held) >= steps and max(blocks for _, blocks in held) == RING_BLOCKS, held
+    assert {blocks for computed, blocks in held if computed >= RING_BLOCKS * BLOCK} == {RING_BLOCKS}, held
+    return [blocks for _, blocks in held]
 
 
-def test_smoke_figures(dflash, mixed):
-    ring, rows = dflash["runs"]["ring"], dflash["runs"]["rows"]
-    print("ring", ring.scheduler["ring_blocks"], max(drafter_blocks(ring)), len(drafter_blocks(ring)))  # noqa: T201
-    print("rows", max(drafter_blocks(rows)))  # noqa: T201
-    print("admissions ring", ring.admissions, "rows", rows.admissions)  # noqa: T201
-    print("spec", ring.spec_decode, rows.spec_decode)  # noqa: T201
-    print("tokens", ring.tokens, rows.tokens)  # noqa: T201
-    print("groups", ring.scheduler["kv_cache_groups"], ring.scheduler["pool_at_shutdown"])  # noqa: T201
-    print("refused", dflash["stock_refused"][-1500:])  # noqa: T201
-    print("async", dflash["async"])  # noqa: T201
-    print("times", ring.wall_seconds, rows.wall_seconds)  # noqa: T201
-    _, _, m = mixed
-    print("mixed", m["ring"].spec_decode, m["rows"].spec_decode, m["ring"].wall_seconds, m["rows"].wall_seconds)  # noqa: T201
-    print("mixed groups", m["ring"].scheduler["kv_cache_groups"], max(drafter_blocks(m["ring"])))  # noqa: T201
+def assert_same_drafter_outputs(ring: EngineRun, rows: EngineRun) -> int:
+    """Every drafter attention output of the ring bitwise equal to stock rows', forward by forward; returns how many
+    outputs were compared."""
+    import torch
+
+    ring_outputs, rows_outputs = ring.outputs(), rows.outputs()
+    assert ring_outputs.keys() == rows_outputs.keys() and ring_outputs
+    compared = 0
+    for key, calls in ring_outputs.items():
+        assert len(calls) == len(rows_outputs[key]) >= 5, key
+        for call, (a, b) in enumerate(zip(calls, rows_outputs[key], strict=True)):
+            assert torch.isfinite(a).all() and torch.equal(a, b), f"{key} forward {call}: ring != stock rows"
+            compared += 1
+    return compared
+
+
+def test_stock_drafter_cannot_be_served_the_long_prompt_in_a_pool_where_the_ring_admits_it(smoke):
+    """#55800, scaled: vLLM's own capacity check (the rule its admission gate applies: ``SlidingWindowSpec.
+    max_admission_blocks_per_request``) refuses stock's drafter in the small pool and estimates the longest
+    prompt it could serve there below the prompt's length; the ring admits the prompt in that pool."""
+    runs = smoke["runs"]
+    refused, ring = runs["rows in the small pool"], runs["ring"]
+    assert isinstance(refused, str), "stock rows started in the small pool"
+    assert f"To serve at least one request with the model's max seq len ({MAX_MODEL_LEN})" in refused, refused
+    estimate = re.search(r"estimated maximum model length is (\d+)", refused)
+    stock_longest = int(estimate.group(1)) if estimate else 0
+    assert PROMPT >= 16 * WINDOW and stock_longest < PROMPT, refused
+    pool = ring.scheduler["pool_at_shutdown"]
+    assert pool.num_blocks == SMALL_POOL and ring.leaked_blocks == 0
+    groups = {layer: kind for kind, layers in ring.scheduler["kv_cache_groups"] for layer in layers}
+    drafter = drafter_layer_names(DFLASH.target_layers, DFLASH.drafter_layers)
+    assert {groups[layer] for layer in drafter} == {"RingSWASpec"}, groups
+    first = ring.admissions[0]
+    assert (first.num_tokens, first.hit, first.resumed) == (PROMPT, 0, False) and ring.preemptions == 0
+    assert len(ring.tokens[0]) == REPLY
+    print(f"pool {SMALL_POOL} blocks: ring admits {PROMPT} tokens; stock refused (vLLM's longest: {stock_longest})")  # noqa: T201
+
+
+def test_the_ring_holds_at_most_r_blocks_at_every_step_and_stock_rows_more(smoke):
+    runs = smoke["runs"]
+    held = assert_ring_holds_r_blocks(runs["ring"], steps=PROMPT // LONG_PREFILL + REPLY)
+    rows = [blocks for _, blocks in drafter_blocks(runs["rows"])]
+    assert runs["rows"].scheduler["ring_blocks"] is None and max(rows) > RING_BLOCKS
+    print(f"drafter blocks: ring max {max(held)} over {len(held)} steps, stock rows max {max(rows)}")  # noqa: T201
+
+
+def test_greedy_tokens_are_the_targets_and_counters_and_drafter_outputs_equal_stock_rows(smoke):
+    runs, chain = smoke["runs"], smoke["chain"]
+    ring, rows = runs["ring"], runs["rows"]
+    assert ring.prompts == rows.prompts and ring.tokens == rows.tokens
+    assert ring.tokens == [continuation(chain, prompt, REPLY) for prompt in ring.prompts], "the target's own tokens"
+    assert ring.spec_decode == rows.spec_decode
+    assert ring.spec_decode["draft_tokens"] == DFLASH.num_speculative_tokens * ring.spec_decode["drafts"] > 0
+    compared = assert_same_drafter_outputs(ring, rows)
+    print(f"spec decode {ring.spec_decode}; {compared} drafter outputs bitwise equal")  # noqa: T201
+
+
+def test_prefix_caching_the_second_turn_adopts_the_cached_ring_tail_past_the_rebuild_cap(smoke):
+    """Turn 2 (turn 1's prompt + reply + TAIL) hits past ``N - (W - 1)``, where a hit stops when the ring is rebuilt
+    by the target's recompute (``RINGKV_RING_PREFIX_CACHE=0``): it adopted the ring's cached tail. At least stock
+    rows' hit; vLLM's counters agree."""
+    runs = smoke["runs"]
+    ring, rows = runs["ring"], runs["rows"]
+    prompts, replies = ring.prompts, ring.tokens
+    assert prompts[1][: PROMPT + REPLY] == prompts[0] + replies[0] and len(prompts[1]) == PROMPT + REPLY + TAIL
+    hits = {request_index(a.request_id): a.hit for a in ring.admissions}
+    stock = {request_index(a.request_id): a.hit for a in rows.admissions}
+    cap = len(prompts[1]) - (WINDOW - 1)
+    assert hits[0] == 0 and hits[1] > cap and hits[1] >= stock[1], (hits, stock, cap)
+    assert ring.prefix_cache == {"hits": sum(hits.values()), "queries": sum(len(p) for p in prompts)}
+    assert ring.leaked_blocks == 0
+    print(f"turn 2: {len(prompts[1])} tokens, hit {hits[1]} (rebuild cap {cap}; stock rows {stock[1]})")  # noqa: T201
+
+
+def test_async_scheduling_forced_on_runs_vllms_async_scheduler(smoke):
+    """vLLM's CPU platform turned async scheduling off; forced back on, the engine ran ``AsyncScheduler`` with two
+    batches in flight, and the tokens are still the target's own (and stock rows')."""
+    for way, report in smoke["async"].items():
+        assert report["platform_async"] and not any(report["platform_async"]), (way, report)
+        assert (report["scheduler"], report["batch_queue_size"], report["max_in_flight"]) == ("AsyncScheduler", 2, 2)
+    ring = smoke["runs"]["ring"]
+    assert ring.tokens == [continuation(smoke["chain"], prompt, REPLY) for prompt in ring.prompts]
+    print(f"async: {smoke['async']}")  # noqa: T201
+
+
+def test_a_mixed_dflash2_drafter_rings_its_sliding_layer_and_matches_stock_rows(smoke):
+    runs = smoke["runs"]
+    ring, rows = runs["mixed ring"], runs["mixed rows"]
+    sliding, full = drafter_layer_names(MIXED.models.target_layers, MIXED.models.drafter_layers)
+    groups = {layer: kind for kind, layers in ring.scheduler["kv_cache_groups"] for layer in layers}
+    assert (groups[sliding], groups[full]) == ("RingSWASpec", "FullAttentionSpec"), groups
+    chain = smoke["mixed chain"]
+    assert ring.tokens == rows.tokens == [continuation(chain, prompt, REPLY) for prompt in ring.prompts]
+    assert ring.spec_decode == rows.spec_decode and ring.spec_decode["drafts"] > 0
+    held = assert_ring_holds_r_blocks(ring, steps=2 * REPLY)
+    compared = assert_same_drafter_outputs(ring, rows)
+    print(f"mixed: {ring.spec_decode}, ring max {max(held)} blocks, {compared} drafter outputs equal")  # noqa: T201
+    for name, run in runs.items():
+        if not isinstance(run, str):
+            print(f"{name}: init {run.init_seconds:.0f} s, generate {run.generate_seconds:.0f} s, "  # noqa: T201
+                  f"wall {run.wall_seconds:.0f} s")  # fmt: skip
