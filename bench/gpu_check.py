@@ -14,7 +14,11 @@
    stopped at ``--budget-s``; prefill chunks C = 512/2048/8192 (TFLOP/s by
    the keys each row sees) beside FlexAttention;
 3. the drafter-level smoke (``ringkv smoke``) at 262,144 positions, natively;
-4. V2's DFlash drafter step on the ring backend, CUDA-graph captured and replayed (``v2_replay.py``).
+4. V2's DFlash drafter step on the ring backend, CUDA-graph captured and replayed (``v2_replay.py``);
+5. ``ring_attention`` with its ring write captured once in a CUDA graph per padded batch size (padded requests and
+   PAD token rows as vLLM pads), replayed with other contents and context lengths across ring wraps and back, each
+   replay bitwise equal to eager with the captured launch (config, splits, grid), NaN-poisoned slots untouched
+   (``graph_replay.py``); run right after step 1's bf16 cases, so a short lease checks it first.
 
 Usage: ``bash bench/on_gpu.sh --out $OUT`` on the GPU (``ringkv bench gpu-check`` where installed); ``--smoke``
 runs a tiny CPU/interpreter version of every step (what CI runs to keep this script working).
@@ -33,6 +37,7 @@ from pathlib import Path
 
 from ringkv.kernels.testing import ISSUE_55800, DrafterShape
 
+from .graph_replay import graph_replay_rows
 from .records import REPO, environment
 from .v2_replay import v2_replay_rows
 
@@ -460,6 +465,8 @@ def gpu_check(out: Path, smoke: bool, budget_s: float, skip_tests: bool, shapes:
         print("test suite:", report["test_suite"]["tail"][-400:], flush=True)
     report["bf16"] = bf16_cases(shape, device, smoke)
     print(json.dumps(report["bf16"], indent=1), flush=True)
+    report["graph_replay"] = graph_replay_rows(device, smoke)
+    print(json.dumps(report["graph_replay"]), flush=True)
     unified = None
     if vllm_source is not None:
         from .vllm_unified import load_unified_attention
@@ -476,7 +483,7 @@ def gpu_check(out: Path, smoke: bool, budget_s: float, skip_tests: bool, shapes:
     (out / ("gpu_check_smoke.json" if smoke else "gpu_check.json")).write_text(json.dumps(report, indent=1))
     failed = [r for r in report["bf16"] if not (r["ok"] and r["bitwise_repeats"])]
     failed += [] if report["drafter_smoke"]["ok"] else [report["drafter_smoke"]]
-    failed += [r for r in report["v2_replay"] if not r["ok"]]
+    failed += [r for r in report["v2_replay"] + report["graph_replay"] if not r["ok"]]
     failed += [
         r for r in report["timing"] + report["prefill"] if r["provider"].startswith("ringkv") and not r.get("ok", False)
     ]

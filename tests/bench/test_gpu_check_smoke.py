@@ -28,6 +28,9 @@ def test_gpu_check_smoke(tmp_path):
     assert providers == {"ringkv", "torch-sdpa", "torch-flex"}
     assert all("error" not in row for row in report["timing"]), report["timing"]
     assert report["v2_replay"] and all(row["ok"] for row in report["v2_replay"]), report["v2_replay"]
+    # the CUDA-graph case's replay sequence, eagerly: bitwise equal to eager, the captured launch, poison untouched
+    graph = report["graph_replay"]
+    assert graph and all(row["ok"] and row["bitwise_out"] and row["bitwise_ring"] for row in graph), graph
 
 
 def test_only_the_cuda_graph_provider_off_the_smoke_path_takes_do_bench_cudagraph(monkeypatch):
