@@ -9,6 +9,7 @@ three.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import warnings
 from collections.abc import Iterator
@@ -90,7 +91,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_group_id, resolve_block_hashes
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
-from vllm.v1.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec, replace_as
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec, replace_as
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 
@@ -286,6 +287,40 @@ def marked_draft_layers(vllm_config: object, layer_names: list[str]) -> bool:
     return len(layers) == len(layer_names) and all(getattr(layer, "is_draft_layer", False) for layer in layers.values())
 
 
+def drafter_layer_names(worker: object, specs: dict[str, Any]) -> set[str]:
+    """The names of a worker's drafter attention layers among ``specs`` (its ``get_kv_cache_spec``): the specs vLLM
+    marked ``is_draft`` (0.33 on), the layers Model Runner V2 marked ``is_draft_layer`` (0.32), or the V1 proposer's
+    ``_draft_attn_layer_names`` (0.32 and 0.33's V1 runner). None without speculative decoding."""
+    names = {name for name, spec in specs.items() if is_draft_spec(spec)}
+    vllm_config = getattr(worker, "vllm_config", None)
+    if vllm_config is not None and specs:
+        names |= {name for name in specs if marked_draft_layers(vllm_config, [name])}
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    names |= set(getattr(drafter, "_draft_attn_layer_names", ()) or ()) & specs.keys()
+    return names
+
+
+def layer_backend_paths(vllm_config: object, layer_names: set[str]) -> dict[str, str]:
+    """Each named attention layer's backend class, as a dotted path (``names.BACKEND_PATH`` for the ring's)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, list(layer_names))  # type: ignore[type-abstract]
+    paths = {}
+    for name, layer in layers.items():
+        backend = layer.get_attn_backend()
+        paths[name] = f"{backend.__module__}.{backend.__qualname__}"
+    return paths
+
+
+def full_attention_as_sliding(spec: FullAttentionSpec, window: int) -> SlidingWindowSpec:
+    """A full-attention layer's spec as a ``SlidingWindowSpec`` of ``window`` (the fields only full attention has,
+    ``attention_chunk_size`` and ``non_causal`` among them, dropped: the metadata carries the layer's causality)."""
+    kept = {f.name for f in dataclasses.fields(SlidingWindowSpec)}
+    dropped = [f.name for f in dataclasses.fields(spec) if f.name not in kept]
+    return replace_as(spec, SlidingWindowSpec, drop=dropped, sliding_window=window)
+
+
 def alias_attention_backend(name: str, member: AttentionBackendEnum) -> None:
     """Make ``AttentionBackendEnum[name]`` resolve to ``member``, as a Python enum alias does.
 
@@ -335,6 +370,7 @@ __all__ = [
     "AttentionType",
     "BlockPool",
     "CommonAttentionMetadata",
+    "FullAttentionSpec",
     "KVCacheBlock",
     "KVCacheGroupSpec",
     "KVCacheSpecRegistry",
@@ -352,10 +388,12 @@ __all__ = [
     "cpu_attention_classes",
     "cpu_platform_class",
     "dflash_speculator_class",
+    "drafter_layer_names",
     "drop_cached_hash",
     "engine_args_class",
     "ensure_builtin_kv_specs",
     "free_queue_front",
+    "full_attention_as_sliding",
     "get_current_vllm_config_or_none",
     "get_forward_context",
     "get_group_id",
@@ -365,6 +403,7 @@ __all__ = [
     "kv_cache_manager_class",
     "kv_connector_class",
     "kv_transfer_config_class",
+    "layer_backend_paths",
     "marked_draft_layers",
     "move_to_free_queue_front",
     "offloading_connector_class",

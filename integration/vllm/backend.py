@@ -12,8 +12,7 @@ from ._compat import SlidingWindowSpec, get_current_vllm_config_or_none
 from .capabilities import RingKVCapabilities
 from .impl import RingKVImpl
 from .metadata import RingKVMetadataBuilder
-from .planning import check_ring_config, drafter_max_len_from_config, drafter_skips_from_config, lookahead_from_config
-from .ring_spec import to_ring_spec
+from .planning import plan_ring_spec
 
 
 class RingKVBackend(RingKVCapabilities):
@@ -42,12 +41,4 @@ class RingKVBackend(RingKVCapabilities):
         unplanned when no vLLM config is in scope: a page-size probe); full-attention layers keep vLLM's spec."""
         if not isinstance(spec, SlidingWindowSpec):
             return spec
-        vllm_config = get_current_vllm_config_or_none()
-        if vllm_config is not None:
-            check_ring_config(vllm_config)
-        return to_ring_spec(
-            spec,
-            lookahead_from_config(vllm_config),
-            drafter_max_len_from_config(vllm_config),
-            drafter_skips_from_config(vllm_config),
-        )
+        return plan_ring_spec(spec, get_current_vllm_config_or_none())

@@ -19,6 +19,7 @@ from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW
 
 from ._compat import AttentionImpl, AttentionLayer, AttentionType
 from .backend_step import ContextSlots, split_kv_cache, store_rows
+from .errors import RingConfigError
 from .metadata import RingAttentionMetadata
 
 # the context slots a KV-cache group's layers share in one step (do_kv_cache_update), for every ring layer
@@ -107,11 +108,23 @@ class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
         v = value[:n].view(n, self.num_kv_heads, -1)
         # write-after-read: the chunk's first queries need the history its rows may replace
         ring_attention(
-            q, k, v, k_cache, v_cache, md.batch, window=self.window, causal=md.causal, scale=self.scale,
+            q, k, v, k_cache, v_cache, md.batch, window=self.served_window(md), causal=md.causal, scale=self.scale,
             out=output[:n].view(n, self.num_heads, -1), write_ring=md.write_ring,
             slot_mapping=md.slot_mapping if md.write_ring else None, workspace=md.workspace, **scales,
         )  # fmt: skip
         return output
+
+    def served_window(self, md: RingAttentionMetadata) -> int:
+        """The layer's own window, or its ring group's where the plugin windowed a full-attention drafter layer
+        (``full_window.py``); a sliding layer in a group of another window is refused."""
+        if md.window is None or md.window == self.window:
+            return self.window
+        if self.window != UNBOUNDED_WINDOW:
+            raise RingConfigError(
+                f"ringkv: a layer of sliding window {self.window} sits in a ring group of window {md.window}; vLLM "
+                "groups layers by spec, so this is a bug: report it with the model's layer types"
+            )
+        return md.window
 
     def do_kv_cache_update(
         self,

@@ -26,6 +26,7 @@ from ._compat import (
 )
 from .backend_step import vllm_batch
 from .host_sync import forbid_during_capture
+from .ring_spec import ring_window
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class RingAttentionMetadata:
     write_ring: bool
     # the builder's persistent scratch of ring_attention launches (split partials, LSEs): none allocated per launch
     workspace: SplitWorkspace | None = None
+    # the ring group's window (its spec's): a full-attention drafter layer windowed by the plugin attends over it
+    window: int | None = None
 
     @functools.cached_property
     def batch(self) -> VarlenBatch:
@@ -76,6 +79,7 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
         self.draft_layers = is_draft_spec(kv_cache_spec) or marked_draft_layers(vllm_config, layer_names)
         # one per builder: vLLM gives each micro-batch builders of its own, and the group's layers run in order
         self.workspace = SplitWorkspace()
+        self.window = ring_window(kv_cache_spec)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -110,4 +114,5 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
             causal=resolve_causal(cm.causal),
             write_ring=write_ring,
             workspace=self.workspace,
+            window=self.window,
         )

@@ -22,7 +22,9 @@ from ringkv.kernels.varlen import MAX_QUERY_LEN
 from ._compat import AttentionBackendEnum, VllmConfig, set_current_vllm_config, uses_model_runner_v2
 from .connectors import check_connector
 from .errors import RingConfigError
+from .full_window import windowed_drafter_full_layers
 from .names import RING_NAMES, UNPLANNED
+from .ring_spec import to_ring_spec
 
 # True while a worker collects its layers' specs for the scheduler, in the worker's own (the target's) config
 _collecting_worker_specs: contextvars.ContextVar[bool] = contextvars.ContextVar("ringkv_worker_specs", default=False)
@@ -108,14 +110,29 @@ def cpu_sliding_ring_on() -> bool:
         return False
 
 
+def plan_ring_spec(spec: Any, vllm_config: VllmConfig | None) -> Any:
+    """A ``SlidingWindowSpec`` on the ring backend -> its ``RingSWASpec``, planned with ``vllm_config``'s lookahead,
+    the drafter's max length and its runner's skip rule (unplanned without a config: a page-size probe), once the
+    configuration passes ``check_ring_config``."""
+    if vllm_config is not None:
+        check_ring_config(vllm_config)
+    return to_ring_spec(spec, lookahead_from_config(vllm_config), drafter_max_len_from_config(vllm_config),
+                        drafter_skips_from_config(vllm_config))  # fmt: skip
+
+
 def wrap_get_kv_cache_spec(original: Callable[..., Any]) -> Callable[..., Any]:
-    """A worker's spec collection (``Worker.get_kv_cache_spec``) run inside the worker's ``vllm_config``."""
+    """A worker's spec collection (``Worker.get_kv_cache_spec``) run inside the worker's ``vllm_config``; with
+    ``RINGKV_DRAFTER_FULL_WINDOW`` set, the drafter's full-attention layers come back as ring specs
+    (``full_window.py``)."""
 
     def get_kv_cache_spec(self: Any, *args: Any, **kwargs: Any) -> Any:
         token = _collecting_worker_specs.set(True)
         try:
             with set_current_vllm_config(self.vllm_config):
-                return original(self, *args, **kwargs)
+                specs = original(self, *args, **kwargs)
+                windowed = windowed_drafter_full_layers(self, specs)
+                return {name: plan_ring_spec(spec, self.vllm_config) if name in windowed else spec
+                        for name, spec in {**specs, **windowed}.items()}  # fmt: skip
         finally:
             _collecting_worker_specs.reset(token)
 

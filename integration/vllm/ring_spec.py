@@ -97,6 +97,17 @@ def is_ring_spec(spec: Any) -> bool:
     )
 
 
+def ring_window(spec: Any) -> int | None:
+    """The window a ring group's layers attend over: a ``RingSWASpec``'s, or the one window of vLLM's
+    ``UniformTypeKVCacheSpecs`` of them; None for any other spec (a layer keeps its own window)."""
+    layers = getattr(spec, "kv_cache_specs", None)
+    specs = list(layers.values()) if isinstance(layers, dict) else [spec]
+    windows = {layer.sliding_window for layer in specs if isinstance(layer, RingSWASpec)}
+    if len(windows) > 1:
+        raise RingConfigError(f"ringkv: one KV-cache group holds ring layers of windows {sorted(windows)}")
+    return windows.pop() if windows else None
+
+
 def to_ring_spec(spec: Any, lookahead: int, drafter_max_len: int = 0, drafter_skips_near_max_len: bool = True) -> Any:
     """Turn a ``SlidingWindowSpec`` into a ``RingSWASpec`` planned for ``lookahead`` (and the drafter's max length and
     skip rule), its ``cache_ring`` from ``ring_prefix_cache_enabled()`` (other specs pass through; a ring spec is

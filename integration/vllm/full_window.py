@@ -1,0 +1,100 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The opt-in window for a drafter's full-attention layers (``RINGKV_DRAFTER_FULL_WINDOW``): each becomes a ring
+layer of window ``Wf``, so the drafter's KV and attention work stop growing with the context. The drafter only
+proposes tokens, so this changes acceptance, never the output. The rule, its cost and when not to use it:
+[docs/vllm-plugin.md](../../docs/vllm-plugin.md#a-window-for-full-attention-drafter-layers).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ._compat import (
+    FullAttentionSpec,
+    SlidingWindowSpec,
+    drafter_layer_names,
+    full_attention_as_sliding,
+    layer_backend_paths,
+)
+from .errors import RingConfigError
+from .names import BACKEND_PATH
+
+WINDOW_ENV = "RINGKV_DRAFTER_FULL_WINDOW"
+SINKS_ENV = "RINGKV_DRAFTER_FULL_SINKS"
+
+
+@dataclass(frozen=True)
+class DrafterFullWindow:
+    """``window`` (Wf): keys a query of a windowed full-attention drafter layer sees, itself included; ``sinks``
+    (S): the first tokens it keeps seeing as well (StreamingLLM's attention sinks)."""
+
+    window: int
+    sinks: int = 0
+
+
+def _read_int(name: str, lowest: int) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or number < lowest:
+        raise RingConfigError(f"ringkv: {name}={value!r}; set an integer >= {lowest}, or unset it")
+    return number
+
+
+def drafter_full_window_from_env() -> DrafterFullWindow | None:
+    """The option as the environment sets it (None: unset, the default: full-attention layers stay full)."""
+    window, sinks = _read_int(WINDOW_ENV, 1), _read_int(SINKS_ENV, 0)
+    if window is None:
+        if sinks:
+            raise RingConfigError(
+                f"ringkv: {SINKS_ENV}={sinks} without {WINDOW_ENV}: sinks keep the first tokens of a windowed "
+                f"full-attention drafter layer; set {WINDOW_ENV} too, or unset {SINKS_ENV}"
+            )
+        return None
+    if sinks:
+        raise RingConfigError(
+            f"ringkv: {SINKS_ENV}={sinks}: the ring kernels take sink tokens, but the plugin's ring manager does not "
+            f"hold sink blocks yet; unset {SINKS_ENV} (a plain window of {WINDOW_ENV}={window})"
+        )
+    return DrafterFullWindow(window=window, sinks=sinks or 0)
+
+
+def windowed_drafter_full_layers(worker: Any, specs: dict[str, Any]) -> dict[str, SlidingWindowSpec]:
+    """With the option set, the drafter's full-attention layers among a worker's ``specs`` as ``SlidingWindowSpec``
+    of ``Wf`` (``planning`` plans them as ring specs); nothing when unset. Refused (``RingConfigError`` naming the
+    fix) where the option cannot take effect as asked."""
+    option = drafter_full_window_from_env()
+    if option is None:
+        return {}
+    drafter = drafter_layer_names(worker, specs)
+    if not drafter:
+        raise RingConfigError(
+            f"ringkv: {WINDOW_ENV}={option.window} windows a speculative drafter's full-attention layers, but this "
+            "engine runs no drafter (a target's layers are never windowed); unset it or enable speculative decoding"
+        )
+    full = sorted(name for name in drafter if type(specs[name]) is FullAttentionSpec)
+    if not full:
+        raise RingConfigError(
+            f"ringkv: {WINDOW_ENV}={option.window}, but the drafter has no full-attention layer (its layers: "
+            f"{sorted(drafter)}, already bounded); unset it"
+        )
+    slides = {specs[name].sliding_window for name in drafter if isinstance(specs[name], SlidingWindowSpec)}
+    if slides and option.window < max(slides):
+        raise RingConfigError(
+            f"ringkv: {WINDOW_ENV}={option.window} is below the drafter's own sliding window W={max(slides)}: a "
+            f"full-attention layer would see less than a sliding one; set {WINDOW_ENV} >= {max(slides)}"
+        )
+    backends = layer_backend_paths(worker.vllm_config, set(full))
+    elsewhere = sorted(name for name in full if backends.get(name) != BACKEND_PATH)
+    if elsewhere:
+        raise RingConfigError(
+            f"ringkv: {WINDOW_ENV}={option.window}, but the drafter's full-attention layers {elsewhere} are not on "
+            "the RINGKV backend, which alone serves the window; set speculative_config attention_backend to RINGKV"
+        )
+    return {name: full_attention_as_sliding(specs[name], option.window) for name in full}

@@ -1,0 +1,93 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``RINGKV_DRAFTER_FULL_WINDOW`` (``full_window.py``): which layers it windows, and every configuration where it
+cannot take effect as asked refused with the value and the fix (the engine runs: ``test_vllm_engine_full_window``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from ringkv.integration.vllm import full_window
+from ringkv.integration.vllm._compat import FullAttentionSpec, SlidingWindowSpec
+from ringkv.integration.vllm.errors import RingConfigError
+from ringkv.integration.vllm.names import BACKEND_PATH
+from ringkv.integration.vllm.ring_spec import RingSWASpec, ring_window
+
+pytestmark = pytest.mark.vllm
+
+SHAPE = {"block_size": 32, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float32}
+TARGET, DRAFT_FULL, DRAFT_SLIDING = "model.layers.0.attn", "model.layers.4.attn", "model.layers.5.attn"
+
+
+def worker(drafter: set[str]) -> SimpleNamespace:
+    """A worker whose V1 proposer names ``drafter`` (vLLM 0.32's ``_draft_attn_layer_names``)."""
+    return SimpleNamespace(vllm_config=None, model_runner=SimpleNamespace(drafter=SimpleNamespace(
+        _draft_attn_layer_names=drafter)))  # fmt: skip
+
+
+@pytest.fixture
+def on_ring(monkeypatch):
+    """Every layer on the RINGKV backend, unless the test says otherwise."""
+    backends = {}
+    monkeypatch.setattr(full_window, "layer_backend_paths", lambda config, names: {n: backends.get(n, BACKEND_PATH)
+                                                                                    for n in names})  # fmt: skip
+    return backends
+
+
+def specs(draft_sliding_window: int | None = 32) -> dict:
+    layers = {TARGET: FullAttentionSpec(**SHAPE), DRAFT_FULL: FullAttentionSpec(**SHAPE, non_causal=True)}
+    if draft_sliding_window:
+        layers[DRAFT_SLIDING] = SlidingWindowSpec(**SHAPE, sliding_window=draft_sliding_window)
+    return layers
+
+
+def test_unset_windows_nothing(monkeypatch, on_ring):
+    monkeypatch.delenv(full_window.WINDOW_ENV, raising=False)
+    assert full_window.windowed_drafter_full_layers(worker({DRAFT_FULL}), specs()) == {}
+
+
+def test_only_the_drafters_full_layers_are_windowed(monkeypatch, on_ring):
+    monkeypatch.setenv(full_window.WINDOW_ENV, "64")
+    drafter = {DRAFT_FULL, DRAFT_SLIDING}
+    windowed = full_window.windowed_drafter_full_layers(worker(drafter), specs())
+    assert list(windowed) == [DRAFT_FULL]
+    spec = windowed[DRAFT_FULL]
+    assert type(spec) is SlidingWindowSpec and spec.sliding_window == 64
+    assert (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype) == tuple(SHAPE.values())
+    assert ring_window(RingSWASpec(**SHAPE, sliding_window=64, lookahead=8)) == 64
+    assert ring_window(FullAttentionSpec(**SHAPE)) is None
+
+
+@pytest.mark.parametrize(
+    ("environment", "drafter", "sliding", "message"),
+    [
+        ({"RINGKV_DRAFTER_FULL_WINDOW": "0"}, {DRAFT_FULL}, 32, r"RINGKV_DRAFTER_FULL_WINDOW='0'; set an integer >= 1"),
+        ({"RINGKV_DRAFTER_FULL_WINDOW": "2k"}, {DRAFT_FULL}, 32, r"'2k'; set an integer >= 1"),
+        ({"RINGKV_DRAFTER_FULL_SINKS": "4"}, {DRAFT_FULL}, 32, "without RINGKV_DRAFTER_FULL_WINDOW"),
+        ({"RINGKV_DRAFTER_FULL_WINDOW": "64", "RINGKV_DRAFTER_FULL_SINKS": "-1"}, {DRAFT_FULL}, 32, ">= 0"),
+        ({"RINGKV_DRAFTER_FULL_WINDOW": "64", "RINGKV_DRAFTER_FULL_SINKS": "4"}, {DRAFT_FULL}, 32,
+         "does not hold sink blocks yet; unset RINGKV_DRAFTER_FULL_SINKS"),
+        ({"RINGKV_DRAFTER_FULL_WINDOW": "64"}, set(), 32, "runs no drafter"),
+        ({"RINGKV_DRAFTER_FULL_WINDOW": "64"}, {DRAFT_SLIDING}, 32, "has no full-attention layer"),
+        ({"RINGKV_DRAFTER_FULL_WINDOW": "16"}, {DRAFT_FULL, DRAFT_SLIDING}, 32,
+         "16 is below the drafter's own sliding window W=32.*set RINGKV_DRAFTER_FULL_WINDOW >= 32"),
+    ],
+)  # fmt: skip
+def test_refused_where_it_cannot_take_effect(monkeypatch, on_ring, environment, drafter, sliding, message):
+    for name in (full_window.WINDOW_ENV, full_window.SINKS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RingConfigError, match=message):
+        full_window.windowed_drafter_full_layers(worker(drafter), specs(sliding))
+
+
+def test_refused_when_the_drafters_full_layers_are_not_on_the_ring(monkeypatch, on_ring):
+    monkeypatch.setenv(full_window.WINDOW_ENV, "64")
+    on_ring[DRAFT_FULL] = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+    with pytest.raises(RingConfigError, match=r"\['model.layers.4.attn'\] are not on the RINGKV backend"):
+        full_window.windowed_drafter_full_layers(worker({DRAFT_FULL}), specs())
