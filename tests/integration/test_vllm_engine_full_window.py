@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from dataclasses import replace
 
 import pytest
 
@@ -45,9 +46,9 @@ def runs(tmp_path_factory):
     base = EngineRunSpec(target=str(models.target), drafter=str(models.drafter), drafter_backend="ring",
                          prompts=prompts, max_tokens=40, kv_block_size=BLOCK)  # fmt: skip
     layers = drafter_layer_names(FULL.target_layers, FULL.drafter_layers)
-    windowed = EngineRunSpec(**{**base.__dict__, "environment": {"RINGKV_DRAFTER_FULL_WINDOW": str(WINDOW)}})
-    oracle = EngineRunSpec(**{**base.__dict__, "drafter": str(declared), "drafter_backend": "stock"})
-    return {"windowed": run_engine(windowed, drafter_layers=layers), "declared": run_engine(oracle, drafter_layers=layers)}
+    specs = {"windowed": replace(base, environment={"RINGKV_DRAFTER_FULL_WINDOW": str(WINDOW)}),
+             "declared": replace(base, drafter=str(declared), drafter_backend="stock")}  # fmt: skip
+    return {name: run_engine(spec, drafter_layers=layers) for name, spec in specs.items()}
 
 
 def test_the_windowed_full_layers_hold_r_blocks_of_the_ring(runs):
