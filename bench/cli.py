@@ -27,6 +27,7 @@ from ringkv.integration.cli import (
     show,
 )
 
+from .acceptance import acceptance
 from .commands import admission, demo, e2e
 from .compile_report import compile_report
 from .fp8_acceptance import fp8_acceptance
@@ -161,6 +162,7 @@ def gpu_check(
 # the report's own options; it compiles natively (no interpreter) and imports the kernels only when it runs
 bench.command("compile-report")(compile_report)
 bench.command("fp8-acceptance")(fp8_acceptance)
+bench.command("acceptance")(acceptance)
 
 
 def add_lab_commands(app: typer.Typer) -> None:

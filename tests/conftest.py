@@ -44,16 +44,26 @@ def device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-@pytest.fixture(scope="session")
-def chain_models(tmp_path_factory, pytestconfig):
-    """The tiny target and the trained DFlash drafter vLLM's engine serves (built once per session, ~20 s).
-
-    Under pytest-xdist the workers share one build in the run's own temporary root: the first builds it, the
-    others wait on ``build_engine_models``'s lock and reuse it."""
+def session_engine_models(tmp_path_factory, pytestconfig, name: str, **spec: object):
+    """Tiny engine models of ``EngineModelSpec(**spec)``, built once per session in ``name``: under pytest-xdist
+    the workers share one build in the run's own temporary root (the first builds it, the others wait on
+    ``build_engine_models``'s lock and reuse it)."""
     from ringkv.dflash2.harness.engine_models import EngineModelSpec, build_engine_models
 
     if hasattr(pytestconfig, "workerinput"):  # an xdist worker: its basetemp is <the run's root>/<worker id>
-        folder = tmp_path_factory.getbasetemp().parent / "chain-models"
+        folder = tmp_path_factory.getbasetemp().parent / name
     else:
-        folder = tmp_path_factory.mktemp("chain-models")
-    return build_engine_models(folder, EngineModelSpec())
+        folder = tmp_path_factory.mktemp(name, numbered=False)
+    return build_engine_models(folder, EngineModelSpec(**spec))
+
+
+@pytest.fixture(scope="session")
+def chain_models(tmp_path_factory, pytestconfig):
+    """The tiny target and the trained DFlash drafter vLLM's engine serves (W 64, all sliding; ~20 s)."""
+    return session_engine_models(tmp_path_factory, pytestconfig, "chain-models")
+
+
+@pytest.fixture(scope="session")
+def full_chain_models(tmp_path_factory, pytestconfig):
+    """The same target with a DFlash drafter whose layers are all full attention (``drafter_window=None``)."""
+    return session_engine_models(tmp_path_factory, pytestconfig, "full-chain-models", drafter_window=None)

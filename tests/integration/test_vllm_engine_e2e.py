@@ -57,9 +57,9 @@ def sliding(chain_models):
 
 
 @pytest.fixture(scope="module")
-def full(tmp_path_factory):
-    models = build_engine_models(tmp_path_factory.mktemp("engine-full"), FULL)
-    return models, engine_runs(models, ("stock", "ring"))
+def full(full_chain_models):
+    assert full_chain_models.spec == FULL
+    return full_chain_models, engine_runs(full_chain_models, ("stock", "ring"))
 
 
 def test_greedy_tokens_are_identical_with_no_speculation_stock_and_ring(sliding):

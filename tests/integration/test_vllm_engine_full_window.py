@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 from ringkv.bench.lab.e2e.runner import drafter_layer_names, held_blocks, max_output_difference, run_engine
 from ringkv.bench.lab.e2e.worker import EngineRunSpec
 from ringkv.dflash2.config import SLIDING
-from ringkv.dflash2.harness.engine_models import EngineModelSpec, build_engine_models
+from ringkv.dflash2.harness.engine_models import EngineModelSpec
 from ringkv.kernels.ring_geometry import ring_blocks_needed
 from ringkv.kernels.testing import FP32_ABS_BOUND
 
@@ -32,9 +32,10 @@ PROMPT_LENGTHS = (300, 97, 420)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(full_chain_models, tmp_path_factory):
     folder = tmp_path_factory.mktemp("full-window")
-    models = build_engine_models(folder / "models", FULL)
+    models = full_chain_models
+    assert models.spec == FULL
     declared = folder / "declared-sliding"
     shutil.copytree(models.drafter, declared)
     config = json.loads((declared / "config.json").read_text())
