@@ -11,7 +11,7 @@ RINGKV's kernels over vLLM's spec, unchanged) and the target's own greedy contin
 - The ring beside stock rows in a roomy pool, same prompts: greedy tokens equal the target's own, spec-decode
   counters and every drafter attention output equal.
 - Prefix caching on: the conversation's second turn adopts the ring's cached tail, so its hit reaches past the
-  rebuild cap ``N - (W - 1)``.
+  rebuild cap ``N - (W - 1)``; a third stops at the max length with drafts within the lookahead of it.
 - Async scheduling forced on (``force_async_scheduling``: vLLM's CPU platform turns it off) for those runs:
   vLLM's ``AsyncScheduler`` with two batches in flight.
 - A DFlash2 drafter mixing a sliding and a full layer, on the V2 CPU runner's default (synchronous) scheduling:
@@ -78,7 +78,11 @@ BLOCK = 32
 RING_BLOCKS = ring_blocks_needed(WINDOW, BLOCK, lookahead=DFLASH.draft_block)
 PROMPT = 16 * WINDOW + 40  # 1,064 tokens: 16 windows and more
 REPLY, TAIL = 8, 8  # the second turn: the first's prompt + reply + TAIL new tokens (< a block: see the V2 test)
-MAX_MODEL_LEN = 1152  # the second turn and its reply fit
+MAX_MODEL_LEN = 1120  # the second turn and its reply fit, and the third's tokens stay within a window
+# the third turn: the second's prompt + reply + tokens up to EDGE_REPLY short of MAX_MODEL_LEN, so it stops at the
+# length limit with its last drafts within the lookahead of it (V2 clamps them; the tail guard is off on V2)
+EDGE_REPLY = 3
+EDGE_TAIL = MAX_MODEL_LEN - EDGE_REPLY - (PROMPT + REPLY + TAIL + REPLY)
 # vLLM's in-flight budget (max_num_batched_tokens) above max_model_len: vLLM caps stock's sliding-window charge at
 # cdiv(W - 1 + in-flight tokens, block) + 1 blocks, so here stock's drafter is charged the full length (#55800's
 # 8192-token batches against W 2048); the prefill still runs in LONG_PREFILL-token chunks
@@ -184,6 +188,11 @@ def continuation(chain: list[int], tokens: list[int], count: int) -> list[int]:
     return out
 
 
+def greedy(chain: list[int], prompts: list[list[int]]) -> list[list[int]]:
+    """The target's own replies: REPLY tokens each, fewer where ``MAX_MODEL_LEN`` stops a request first."""
+    return [continuation(chain, prompt, min(REPLY, MAX_MODEL_LEN - len(prompt))) for prompt in prompts]
+
+
 def random_tokens(generator: random.Random, n: int, vocab: int) -> list[int]:
     return [generator.randrange(FIRST_TOKEN, vocab - 1) for _ in range(n)]
 
@@ -240,9 +249,9 @@ def smoke(v2_engine, tmp_path_factory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("v2-smoke")
     dflash, mixed = untrained_dflash(folder / "dflash"), untrained_mixed(folder / "mixed")
     generator = random.Random(5)
-    first, tail = (random_tokens(generator, n, DFLASH.vocab_size) for n in (PROMPT, TAIL))
+    first, tail, edge = (random_tokens(generator, n, DFLASH.vocab_size) for n in (PROMPT, TAIL, EDGE_TAIL))
     conversation = engine_spec(
-        dflash, "ring", [first], later_waves=[[tail]], continued_slots=[0], enable_prefix_caching=True,
+        dflash, "ring", [first], later_waves=[[tail], [edge]], continued_slots=[0], enable_prefix_caching=True,
         max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BATCHED_TOKENS, num_gpu_blocks=SMALL_POOL,
         engine_args={"long_prefill_token_threshold": LONG_PREFILL},
     )  # fmt: skip
@@ -334,9 +343,10 @@ def test_greedy_tokens_are_the_targets_and_counters_and_drafter_outputs_equal_st
     runs, chain = smoke["runs"], smoke["chain"]
     ring, rows = runs["ring"], runs["rows"]
     assert ring.prompts == rows.prompts and ring.tokens == rows.tokens
-    assert ring.tokens == [continuation(chain, prompt, REPLY) for prompt in ring.prompts], "the target's own tokens"
+    assert ring.tokens == greedy(chain, ring.prompts), "the target's own tokens"
     assert ring.spec_decode == rows.spec_decode
-    assert ring.spec_decode["draft_tokens"] == DFLASH.num_speculative_tokens * ring.spec_decode["drafts"] > 0
+    # every draft N tokens, but those vLLM shortens at the max length (turn 3's last steps)
+    assert 0 < ring.spec_decode["draft_tokens"] <= DFLASH.num_speculative_tokens * ring.spec_decode["drafts"]
     compared = assert_same_drafter_outputs(ring, rows)
     print(f"spec decode {ring.spec_decode}; {compared} drafter outputs bitwise equal")  # noqa: T201
 
@@ -358,6 +368,23 @@ def test_prefix_caching_the_second_turn_adopts_the_cached_ring_tail_past_the_reb
     print(f"turn 2: {len(prompts[1])} tokens, hit {hits[1]} (rebuild cap {cap}; stock rows {stock[1]})")  # noqa: T201
 
 
+def test_a_turn_that_stops_at_the_max_length_drafts_beside_it_and_adopts_the_tail_before(smoke):
+    """Turn 3 stops at ``MAX_MODEL_LEN``: its last steps draft within the lookahead of it, where V2 clamps the draft
+    positions and still stores the context K/V (no drafter skip: the cached ring's guard is off on V2). It adopted
+    turn 2's tail past the rebuild cap, at least stock rows' hit; its tokens and every drafter output equal stock
+    rows' (the tests above compare all turns), the ring <= R, no leak."""
+    ring, rows = smoke["runs"]["ring"], smoke["runs"]["rows"]
+    prompts, replies = ring.prompts, ring.tokens
+    assert len(prompts) == 3 and prompts[2][: len(prompts[1]) + REPLY] == prompts[1] + replies[1]
+    assert (len(replies[2]), len(prompts[2]) + len(replies[2])) == (EDGE_REPLY, MAX_MODEL_LEN)
+    hits = {request_index(a.request_id): a.hit for a in ring.admissions}
+    stock = {request_index(a.request_id): a.hit for a in rows.admissions}
+    cap = len(prompts[2]) - (WINDOW - 1)
+    assert hits[2] > cap and hits[2] >= stock[2], (hits, stock, cap)
+    assert ring.leaked_blocks == 0
+    print(f"turn 3: {len(prompts[2])} tokens to the max length {MAX_MODEL_LEN}, hit {hits[2]} (stock {stock[2]})")  # noqa: T201
+
+
 def test_async_scheduling_forced_on_runs_vllms_async_scheduler(smoke):
     """vLLM's CPU platform turned async scheduling off; forced back on, the engine ran ``AsyncScheduler`` with two
     batches in flight, and the tokens are still the target's own (and stock rows')."""
@@ -365,7 +392,7 @@ def test_async_scheduling_forced_on_runs_vllms_async_scheduler(smoke):
         assert report["platform_async"] and not any(report["platform_async"]), (way, report)
         assert (report["scheduler"], report["batch_queue_size"], report["max_in_flight"]) == ("AsyncScheduler", 2, 2)
     ring = smoke["runs"]["ring"]
-    assert ring.tokens == [continuation(smoke["chain"], prompt, REPLY) for prompt in ring.prompts]
+    assert ring.tokens == greedy(smoke["chain"], ring.prompts)
     print(f"async: {smoke['async']}")  # noqa: T201
 
 
@@ -376,7 +403,7 @@ def test_a_mixed_dflash2_drafter_rings_its_sliding_layer_and_matches_stock_rows(
     groups = {layer: kind for kind, layers in ring.scheduler["kv_cache_groups"] for layer in layers}
     assert (groups[sliding], groups[full]) == ("RingSWASpec", "FullAttentionSpec"), groups
     chain = smoke["mixed chain"]
-    assert ring.tokens == rows.tokens == [continuation(chain, prompt, REPLY) for prompt in ring.prompts]
+    assert ring.tokens == rows.tokens == greedy(chain, ring.prompts)
     assert ring.spec_decode == rows.spec_decode and ring.spec_decode["drafts"] > 0
     held = assert_ring_holds_r_blocks(ring, steps=2 * REPLY)
     compared = assert_same_drafter_outputs(ring, rows)
