@@ -59,8 +59,8 @@ def drafter_full_window_from_env() -> DrafterFullWindow | None:
         return None
     if sinks:
         raise RingConfigError(
-            f"ringkv: {SINKS_ENV}={sinks}: the ring kernels take sink tokens, but the plugin's ring manager does not "
-            f"hold sink blocks yet; unset {SINKS_ENV} (a plain window of {WINDOW_ENV}={window})"
+            f"ringkv: {SINKS_ENV}={sinks}: sink tokens are not served yet (neither the ring kernels nor its manager "
+            f"hold sink blocks); unset {SINKS_ENV} (a plain window of {WINDOW_ENV}={window})"
         )
     return DrafterFullWindow(window=window, sinks=sinks or 0)
 
