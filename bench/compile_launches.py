@@ -84,6 +84,9 @@ def ringkv_kernels() -> list[Any]:
 # specialise on strides, never on the number of blocks)
 
 WINDOW, BLOCK_SIZE, NUM_KV_HEADS, DRAFT_BLOCK, CONTEXT = 2048, 16, 8, 8, 262_136
+# a full-attention layer served on a bounded ring: the window plus StreamingLLM's 4 sink tokens (the rows' "sinks";
+# the count is a runtime argument that never specialises, so any count compiles this kernel)
+SINK_TOKENS = 4
 # the fp8 ring the report compiles (vLLM's kv_cache_dtype name); rows without "kv" are bf16 rings
 FP8_CASES = "fp8_e4m3"
 # Each launch in two layouts (the rows' "layout"):
@@ -135,9 +138,10 @@ def _qkv(tokens: int, group: int, head_dim: int, layout: str) -> tuple[Any, Any,
     return tuple(part.view(tokens, h, head_dim) for part, h in zip(parts, heads, strict=True))
 
 
-def _batch(query_len: int, seq_len: int, num_reqs: int, ring: int, mode: Any, layout: str, width: int) -> Any:
-    """``num_reqs`` requests of ``query_len`` queries ending at ``seq_len``: compact ring rows of ``ring`` columns,
-    or (plugin) ``vllm_batch`` over full rows ``width`` columns wide (block ids never specialise: zeros)."""
+def _batch(query_len: int, seq_len: int, num_reqs: int, plan: Any, mode: Any, layout: str, width: int) -> Any:
+    """``num_reqs`` requests of ``query_len`` queries ending at ``seq_len``: compact rows of ``plan.row_blocks``
+    columns (sink blocks, then the ring's R), or (plugin) ``vllm_batch`` over full rows ``width`` columns wide
+    (block ids never specialise: zeros)."""
     import torch
     from ringkv.integration.vllm.backend_step import vllm_batch
 
@@ -148,9 +152,9 @@ def _batch(query_len: int, seq_len: int, num_reqs: int, ring: int, mode: Any, la
                            seq_len)  # fmt: skip
         assert batch.mode is mode, f"vllm_batch chose {batch.mode} for {query_len} queries per request, not {mode}"
         return batch
-    block_table = torch.zeros(num_reqs, ring, dtype=torch.int32)
+    block_table = torch.zeros(num_reqs, plan.row_blocks, dtype=torch.int32)
     return kernel_lookups().package.VarlenBatch(query_start_loc, seq_lens, block_table, query_len, seq_len,
-                                                table_period=ring, mode=mode)  # fmt: skip
+                                                table_period=plan.ring_blocks, mode=mode)  # fmt: skip
 
 
 def _scratch(layout: str) -> dict[str, Any]:
@@ -160,31 +164,33 @@ def _scratch(layout: str) -> dict[str, Any]:
 
 def launch_decode(
     num_reqs: int, group: int, head_dim: int, context: int = CONTEXT, kv_cache_dtype: str = "auto",
-    layout: str = "compact", width: int = PLUGIN_TABLE_WIDTH,
+    layout: str = "compact", width: int = PLUGIN_TABLE_WIDTH, sink_tokens: int = 0,
 ) -> None:  # fmt: skip
     """``ring_attention`` on N draft blocks of 8 after ``context`` positions at the DFlash2 ring (W 2048, bs 16,
     R 130), bf16, non-causal (``kv_cache_dtype``: an fp8 ring, vLLM's name; ``layout``: ``LAYOUTS``, ``width``: the
-    plugin's table width)."""
+    plugin's table width; ``sink_tokens``: a layer with attention sinks, rows ``[sink blocks | ring]``)."""
     kernels = kernel_lookups().package
-    ring = kernels.RingPlan(WINDOW, BLOCK_SIZE, DRAFT_BLOCK).ring_blocks
+    plan = kernels.RingPlan(WINDOW, BLOCK_SIZE, DRAFT_BLOCK, sink_tokens)
     q, k_new, v_new = _qkv(num_reqs * DRAFT_BLOCK, group, head_dim, layout)
-    batch = _batch(DRAFT_BLOCK, context + DRAFT_BLOCK, num_reqs, ring, kernels.BatchMode.DRAFT_BLOCK, layout, width)
-    caches = _caches(ring + 1, head_dim, q.dtype, kv_cache_dtype, layout)
-    kernels.ring_attention(q, k_new, v_new, batch=batch, window=WINDOW, causal=False, **caches, **_scratch(layout))
+    batch = _batch(DRAFT_BLOCK, context + DRAFT_BLOCK, num_reqs, plan, kernels.BatchMode.DRAFT_BLOCK, layout, width)
+    caches = _caches(plan.row_blocks + 1, head_dim, q.dtype, kv_cache_dtype, layout)
+    kernels.ring_attention(q, k_new, v_new, batch=batch, window=WINDOW, causal=False, sink_tokens=sink_tokens,
+                           **caches, **_scratch(layout))  # fmt: skip
 
 
 def launch_prefill(
     chunk: int, group: int, head_dim: int, kv_cache_dtype: str = "auto", layout: str = "compact",
-    width: int = PLUGIN_TABLE_WIDTH,
+    width: int = PLUGIN_TABLE_WIDTH, sink_tokens: int = 0,
 ) -> None:  # fmt: skip
     """``ring_attention`` of one causal prefill chunk after 8192 positions of history (the kernel only: a target
     layer's write after it is the ``ring_write`` kernel of ``launch_write``, same tensors)."""
     kernels = kernel_lookups().package
-    ring = kernels.RingPlan(WINDOW, BLOCK_SIZE, 1).ring_blocks
+    plan = kernels.RingPlan(WINDOW, BLOCK_SIZE, 1, sink_tokens)
     q, k_new, v_new = _qkv(chunk, group, head_dim, layout)
-    batch = _batch(chunk, 8192 + chunk, 1, ring, kernels.BatchMode.PREFILL_CHUNK, layout, width)
-    caches = _caches(ring + 1, head_dim, q.dtype, kv_cache_dtype, layout)
-    kernels.ring_attention(q, k_new, v_new, batch=batch, window=WINDOW, causal=True, **caches, **_scratch(layout))
+    batch = _batch(chunk, 8192 + chunk, 1, plan, kernels.BatchMode.PREFILL_CHUNK, layout, width)
+    caches = _caches(plan.row_blocks + 1, head_dim, q.dtype, kv_cache_dtype, layout)
+    kernels.ring_attention(q, k_new, v_new, batch=batch, window=WINDOW, causal=True, sink_tokens=sink_tokens,
+                           **caches, **_scratch(layout))  # fmt: skip
 
 
 def launch_write(head_dim: int, kv_cache_dtype: str = "auto", layout: str = "compact") -> None:
@@ -212,7 +218,8 @@ class Case:
 
 def cases(quick: bool) -> list[Case]:
     """The shipped configs in both ``LAYOUTS``: decode N x G x D (B = 8), prefill C x G x D, ring_write D, bf16 and
-    fp8 rings; quick = the CI subset (the DFlash2 shape G4 D128 everywhere, bf16 compact also G4 D256)."""
+    fp8 rings, attention also with ``SINK_TOKENS`` sinks (the rows' "sinks"; full sweep only); quick = the CI subset
+    (the DFlash2 shape G4 D128 everywhere, bf16 compact also G4 D256)."""
     all_groups_dims = [(g, d) for g in (1, 4, 8) for d in (64, 128, 256)]
     batch_sizes = (1, 8, 64, 256)
     chunks = (512, 8192)
@@ -226,15 +233,19 @@ def cases(quick: bool) -> list[Case]:
             groups_dims = all_groups_dims
             if quick:
                 groups_dims = [(4, 128), (4, 256)] if (layout, kv) == ("compact", "auto") else [(4, 128)]
-            tags = {**({"kv": kv} if kv != "auto" else {}), "layout": layout}
-            out += [Case("decode", {"N": n, "G": g, "D": d, **tags},
-                         lambda n=n, g=g, d=d, kv=kv, layout=layout: launch_decode(n, g, d, kv_cache_dtype=kv,
-                                                                                   layout=layout))
-                    for g, d in groups_dims for n in batch_sizes]  # fmt: skip
-            out += [Case("prefill", {"C": c, "G": g, "D": d, **tags},
-                         lambda c=c, g=g, d=d, kv=kv, layout=layout: launch_prefill(c, g, d, kv, layout))
-                    for g, d in groups_dims for c in chunks]  # fmt: skip
-            out += [Case("write", {"D": d, **tags}, lambda d=d, kv=kv, layout=layout: launch_write(d, kv, layout))
+            ring = {"kv": kv} if kv != "auto" else {}
+            for sinks in (0,) if quick else (0, SINK_TOKENS):
+                tags = {**ring, **({"sinks": sinks} if sinks else {}), "layout": layout}
+                out += [Case("decode", {"N": n, "G": g, "D": d, **tags},
+                             lambda n=n, g=g, d=d, kv=kv, layout=layout, sinks=sinks: launch_decode(
+                                 n, g, d, kv_cache_dtype=kv, layout=layout, sink_tokens=sinks))
+                        for g, d in groups_dims for n in batch_sizes]  # fmt: skip
+                out += [Case("prefill", {"C": c, "G": g, "D": d, **tags},
+                             lambda c=c, g=g, d=d, kv=kv, layout=layout, sinks=sinks: launch_prefill(
+                                 c, g, d, kv, layout, sink_tokens=sinks))
+                        for g, d in groups_dims for c in chunks]  # fmt: skip
+            out += [Case("write", {"D": d, **ring, "layout": layout},
+                         lambda d=d, kv=kv, layout=layout: launch_write(d, kv, layout))
                     for d in write_dims]  # fmt: skip
     return out
 

@@ -3,10 +3,11 @@
 a launch on that GPU would compile it, with registers, spill bytes, shared memory, CTAs per SM and the SASS
 width of every K/V tile load.
 
-How: each launch (``ring_attention`` on draft blocks and on prefill chunks, ``ring_write``) runs on CPU stand-in
-tensors that have a real launch's shapes, strides and 16-byte-aligned buffers, in two layouts (``LAYOUTS``): compact
-R-column ring rows, and what the vLLM plugin launches (full logical rows of vLLM's block table, its per-layer cache,
-packed q/k/v; a table width that is a multiple of 16 specialises the attention kernel). The kernel's ``run`` is
+How: each launch (``ring_attention`` on draft blocks and on prefill chunks, in the full sweep also with attention
+sinks; ``ring_write``) runs on CPU stand-in tensors that have a real launch's shapes, strides and 16-byte-aligned
+buffers, in two layouts (``LAYOUTS``): compact R-column ring rows, and what the vLLM plugin launches (full logical
+rows of vLLM's block table, its per-layer cache, packed q/k/v; a table width that is a multiple of 16 specialises
+the attention kernel). The kernel's ``run`` is
 intercepted and its arguments are bound by Triton's own binder for the target (``create_function_from_signature`` over
 ``native_specialize_impl``: ``tt.divisibility=16`` on pointers and ints divisible by 16, 1-valued ints as
 constants, ``do_not_specialize`` honoured), then ``triton.compile`` builds the cubin. A bare ``ASTSource``

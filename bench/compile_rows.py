@@ -38,12 +38,13 @@ def widest_kv_load_bits(row: dict) -> int:
 def gate_failures(rows: list[dict]) -> list[str]:
     """The CI gates: no spills anywhere; every K/V tile load as wide as the tile allows (128-bit but for fp8
     tiles under 16 bytes per thread, ``widest_kv_load_bits``); the DFlash2 decode shape <= 136 registers at 4
-    warps (>= 3 CTAs per SM)."""
+    warps (>= 3 CTAs per SM). With sinks (an opt-in full-attention layer, not the sliding drafter the register
+    bound is set for) that shape keeps >= 3 CTAs per SM at 4 warps."""
     failures = []
     for row in rows:
         if row["provider"] != "ringkv":
             continue
-        shape = json.dumps({k: row[k] for k in ("N", "C", "G", "D", "kv", "layout") if k in row})
+        shape = json.dumps({k: row[k] for k in ("N", "C", "G", "D", "kv", "sinks", "layout") if k in row})
         name = f"{row['kernel']} {row['op']} {shape} sm_{row['arch']}"
         if row["spill_bytes"]:
             failures.append(f"{name}: {row['spill_bytes']} bytes of spills")
@@ -55,9 +56,12 @@ def gate_failures(rows: list[dict]) -> list[str]:
         if row["kernel"] == "_ring_attention_kernel" and not kv:
             failures.append(f"{name}: no K/V tile load found in the SASS line info")
         dflash2 = row["kernel"] == "_ring_attention_kernel" and all(row.get(k) == v for k, v in DFLASH2.items())
-        if dflash2 and (row["num_warps"] != 4 or row["regs"] > DFLASH2_MAX_REGS or row["ctas_per_sm"] < 3):
+        bounded = not row.get("sinks")
+        over = bounded and row["regs"] > DFLASH2_MAX_REGS
+        if dflash2 and (row["num_warps"] != 4 or over or row["ctas_per_sm"] < 3):
+            want = f"<= {DFLASH2_MAX_REGS} x 4" if bounded else "4 warps"
             failures.append(f"{name}: {row['regs']} registers x {row['num_warps']} warps, "
-                            f"{row['ctas_per_sm']} CTAs/SM (want <= {DFLASH2_MAX_REGS} x 4, >= 3)")  # fmt: skip
+                            f"{row['ctas_per_sm']} CTAs/SM (want {want}, >= 3)")  # fmt: skip
     return failures
 
 
@@ -67,6 +71,11 @@ def _loads_text(loads: dict[str, int] | None) -> str:
     return ", ".join(f"{n}x {op.replace('.E.BYPASS', '').replace('.E', '')}" for op, n in sorted(loads.items()))
 
 
+def shape_text(key: str, value: object) -> str:
+    """A shape column's word: ``G4``, ``D128``, the ring's ``fp8_e4m3``, ``4 sinks``."""
+    return {"kv": f"{value}", "sinks": f"{value} sinks"}.get(key, f"{key}{value}")
+
+
 def markdown_table(rows: list[dict]) -> str:
     """One line per (provider, kernel, shape, layout) with sm_90 and sm_100 side by side; batch sizes that compiled
     to the same kernel are merged, and so are the layouts where they compiled to the same kernels
@@ -74,7 +83,7 @@ def markdown_table(rows: list[dict]) -> str:
     merged: dict[tuple, dict] = {}
     for row in rows:
         size = "N" if "N" in row else "C" if "C" in row else None
-        shape = tuple((k, row[k]) for k in ("G", "D", "kv") if k in row)
+        shape = tuple((k, row[k]) for k in ("G", "D", "kv", "sinks") if k in row)
         ident = (row["provider"], row["op"], row["kernel"], shape, row.get("layout", "-"))
         entry = merged.setdefault(ident, {"sizes": set(), "arch": {}, "keys": set()})
         if size:
@@ -112,7 +121,7 @@ def markdown_table(rows: list[dict]) -> str:
             kv = "all global loads: " + _loads_text(sm90["loads"])
         name = f"{op} {kernel.strip('_')}"
         lines.append(
-            f"| {provider} | {name} | {' '.join(v if k == 'kv' else f'{k}{v}' for k, v in shape) or '-'} | {layout} | "
+            f"| {provider} | {name} | {' '.join(shape_text(k, v) for k, v in shape) or '-'} | {layout} | "
             f"{sizes or '-'} | {res(sm90)} | "
             f"{sm90['mma'] if sm90 else '-'} | {kv} | {res(sm100)} | {sm100['mma'] if sm100 else '-'} |"
         )

@@ -4,7 +4,9 @@
 it, masking it by absolute position, and the online-softmax update.
 
 Window convention (``window = W``): a query at absolute position ``q`` sees key ``k`` iff ``q - k < W`` and
-``k >= 0``; causal adds ``k <= q``, non-causal adds ``k - q < W`` (``ring_geometry.visible``).
+``k >= 0``; causal adds ``k <= q``, non-causal adds ``k - q < W`` (``ring_geometry.visible``). Sinks (the
+``SINKS`` constexpr) widen the first clause to ``q - k < W or k < sink_tokens``; without them every sink argument
+is unused and the kernels compile as if sinks did not exist.
 """
 
 from __future__ import annotations
@@ -16,20 +18,31 @@ from .kv_quant import upcast_interpreted
 
 
 @triton.jit
-def ring_tile_rows(table_row_ptr, start, k_pos, m_k, table_period, stride_bt_c: tl.int64, BS: tl.constexpr,
-                   TILE_N: tl.constexpr):  # fmt: skip
+def table_column(j, table_period, sink_blocks, SINKS: tl.constexpr):
+    # ring_geometry.block_column of logical block j >= 0: a sink block keeps column j, the others cycle over the
+    # ring's columns after the sink blocks; without sinks (sink_blocks = 0) that is j mod period
+    if SINKS:
+        return tl.where(j < sink_blocks, j, sink_blocks + (j - sink_blocks) % table_period)
+    else:
+        return j % table_period
+
+
+@triton.jit
+def ring_tile_rows(table_row_ptr, start, k_pos, m_k, table_period, sink_blocks, stride_bt_c: tl.int64,
+                   BS: tl.constexpr, TILE_N: tl.constexpr, SINKS: tl.constexpr):  # fmt: skip
     """Physical block and in-block row of the tile's positions ``k_pos = start + arange(TILE_N)``:
-    ``table[(p // bs) mod period]`` and ``p mod bs`` (``ring_geometry.table_slot_mapping``).
+    ``table[table_column(p // bs)]`` and ``p mod bs`` (``ring_geometry.table_slot_mapping``).
 
     ``start`` is a multiple of ``TILE_N``. When ``TILE_N`` divides ``BS`` the tile lies in one KV block: one
     scalar table load, and the rows are ``start mod bs + arange``, so the per-row offsets stay loop-invariant
     and the loads vectorise; otherwise (``bs`` below 16 or not a multiple of the tile) one id per row.
     """
     if BS % TILE_N == 0:
-        b_blk = tl.load(table_row_ptr + ((start // BS) % table_period).to(tl.int64) * stride_bt_c).to(tl.int64)
+        col = table_column(start // BS, table_period, sink_blocks, SINKS)
+        b_blk = tl.load(table_row_ptr + col.to(tl.int64) * stride_bt_c).to(tl.int64)
         o_in = (start % BS + tl.arange(0, TILE_N)).to(tl.int64)
     else:
-        col = (k_pos // BS) % table_period
+        col = table_column(k_pos // BS, table_period, sink_blocks, SINKS)
         b_blk = tl.load(table_row_ptr + col.to(tl.int64) * stride_bt_c, mask=m_k, other=0).to(tl.int64)
         o_in = (k_pos % BS).to(tl.int64)
     return b_blk, o_in
@@ -88,12 +101,15 @@ def scores(b_q, b_k, qk_scale, FP32_IEEE: tl.constexpr):
 
 
 @triton.jit
-def visible_mask(q_pos, k_pos, m_k, window, CAUSAL: tl.constexpr):
-    # the contract (ring_geometry.visible) for keys at or after the queries' context (k >= 0 holds): q - k < W,
-    # plus k <= q (causal) or k - q < W; m_k drops the tile's padding keys. Padding query rows need no mask:
-    # their Q is 0, their scores finite, and their output is never stored.
+def visible_mask(q_pos, k_pos, m_k, window, sink_tokens, CAUSAL: tl.constexpr, SINKS: tl.constexpr):
+    # the contract (ring_geometry.visible) for keys at or after the queries' context (k >= 0 holds): q - k < W
+    # (or k a sink), plus k <= q (causal) or k - q < W; m_k drops the tile's padding keys. Padding query rows need
+    # no mask: their Q is 0, their scores finite, and their output is never stored.
     delta = q_pos[:, None] - k_pos[None, :]
-    m_vis = m_k[None, :] & (delta < window)
+    if SINKS:
+        m_vis = m_k[None, :] & ((delta < window) | (k_pos < sink_tokens)[None, :])
+    else:
+        m_vis = m_k[None, :] & (delta < window)
     if CAUSAL:
         m_vis = m_vis & (delta >= 0)
     else:
@@ -177,38 +193,83 @@ def ring_tile_count(lo, hi, TILE_N: tl.constexpr):
 def attend_ring_range(
     m_i, l_i, acc, b_q, q_pos,
     lo, hi,  # ring history positions [lo, hi), all below every query, lo >= 0
-    tile_lo, tile_hi,  # which tiles of [lo, hi) this program reads, counted from lo rounded down to TILE_N
+    tile_lo, tile_hi,  # which tiles this program reads, counted from lo rounded down to TILE_N (SINKS: below)
     kc_ptr, vc_ptr, table_row_ptr, table_period,
+    sink_hi, sink_blocks, num_sink_tiles,  # SINKS: the sinks [0, sink_hi) (<= hi) and where they live (below)
     k_scale, v_scale,  # dequantization of an fp8 ring (load_kv_scales)
     stride_kc_b: tl.int64, stride_kc_s: tl.int64, stride_vc_b: tl.int64, stride_vc_s: tl.int64,
     stride_bt_c: tl.int64,
     o_d, o_dv, qk_scale, window,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BS: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr, FP32_IEEE: tl.constexpr, KV_FP8: tl.constexpr,
+    SINKS: tl.constexpr,
 ):  # fmt: skip
     """Ring history keys, one tile (= one KV block, or part of one, when ``TILE_N`` divides ``bs``) per step.
     An fp8 ring is dequantized exactly: fp8 converts to the compute dtype without rounding, ``k_scale`` joins
-    the score scale and ``v_scale`` the probabilities."""
+    the score scale and ``v_scale`` the probabilities.
+
+    With sinks (rows ``[sink blocks | ring]``) tiles ``0 .. num_sink_tiles - 1`` are the sinks', from position 0:
+    each key of ``[0, sink_hi)`` seen by every query, the window's keys among them as the window shows them, the
+    keys between (which may hold anything, NaN) never loaded. The window's tiles follow, from the first tile edge
+    at or past both ``lo`` and the sinks' tiles: no key in two tiles."""
     o_n = tl.arange(0, TILE_N)
     ring_qk_scale = qk_scale * k_scale
     base = lo - lo % TILE_N
+    if SINKS:
+        # the sinks' few tiles unpipelined: pipelined, this second loop costs the window's loop registers
+        for i_t in tl.range(tile_lo, tl.minimum(tile_hi, num_sink_tiles), num_stages=1):
+            k_pos = i_t * TILE_N + o_n
+            m_k = (k_pos < sink_hi) | ((k_pos >= lo) & (k_pos < hi))
+            # a sink is seen whatever the window
+            m_vis = (((q_pos[:, None] - k_pos[None, :]) < window) & (k_pos < hi)[None, :]) | (k_pos < sink_hi)[None, :]
+            b_k, b_v = load_ring_tile(
+                b_q, i_t * TILE_N, k_pos, m_k, kc_ptr, vc_ptr, table_row_ptr, table_period, sink_blocks, stride_kc_b,
+                stride_kc_s, stride_vc_b, stride_vc_s, stride_bt_c, o_d, o_dv,
+                D, DV, BLOCK_D, BLOCK_DV, BS, TILE_N, UPCAST, KV_FP8, SINKS,
+            )  # fmt: skip
+            m_i, l_i, acc = attend_tile(m_i, l_i, acc, b_q, b_k, b_v, m_vis, ring_qk_scale, v_scale, FP32_IEEE)
+        # window tile i_t (>= num_sink_tiles) starts at base + i_t * TILE_N
+        base = tl.maximum(base, num_sink_tiles * TILE_N) - num_sink_tiles * TILE_N
+        tile_lo = tl.maximum(tile_lo, num_sink_tiles)
     for i_t in range(tile_lo, tile_hi):
         start = base + i_t * TILE_N
         k_pos = start + o_n
         m_k = (k_pos >= lo) & (k_pos < hi)
-        b_blk, o_in = ring_tile_rows(table_row_ptr, start, k_pos, m_k, table_period, stride_bt_c, BS, TILE_N)
-        b_k, b_v = load_kv_tile(
-            kc_ptr, vc_ptr, b_blk * stride_kc_b + o_in * stride_kc_s, b_blk * stride_vc_b + o_in * stride_vc_s,
-            m_k, o_d, o_dv, D, DV, BLOCK_D, BLOCK_DV, UPCAST, KV_FP8,
+        b_k, b_v = load_ring_tile(
+            b_q, start, k_pos, m_k, kc_ptr, vc_ptr, table_row_ptr, table_period, sink_blocks, stride_kc_b,
+            stride_kc_s, stride_vc_b, stride_vc_s, stride_bt_c, o_d, o_dv,
+            D, DV, BLOCK_D, BLOCK_DV, BS, TILE_N, UPCAST, KV_FP8, SINKS,
         )  # fmt: skip
-        if KV_FP8:
-            b_k = b_k.to(b_q.dtype)
-            b_v = b_v.to(b_q.dtype)
         # history keys lie below every query: only the left window edge and the range's end can hide them (keys
-        # below lo are left of every row's window; they and the keys past hi were loaded as 0)
+        # below lo are left of every row's window, and past every sink; they and the keys past hi were loaded as 0)
         m_vis = ((q_pos[:, None] - k_pos[None, :]) < window) & (k_pos < hi)[None, :]
         m_i, l_i, acc = attend_tile(m_i, l_i, acc, b_q, b_k, b_v, m_vis, ring_qk_scale, v_scale, FP32_IEEE)
     return m_i, l_i, acc
+
+
+@triton.jit
+def load_ring_tile(
+    b_q,
+    start, k_pos, m_k,  # the tile's first position, its [TILE_N] positions, which of them to load
+    kc_ptr, vc_ptr, table_row_ptr, table_period, sink_blocks,
+    stride_kc_b: tl.int64, stride_kc_s: tl.int64, stride_vc_b: tl.int64, stride_vc_s: tl.int64,
+    stride_bt_c: tl.int64,
+    o_d, o_dv,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BS: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr,
+):  # fmt: skip
+    # one tile of ring K/V, located through the block table: [TILE_N, BLOCK_D] / [TILE_N, BLOCK_DV], an fp8 tile
+    # converted to the compute dtype (exactly)
+    b_blk, o_in = ring_tile_rows(table_row_ptr, start, k_pos, m_k, table_period, sink_blocks, stride_bt_c, BS,
+                                 TILE_N, SINKS)  # fmt: skip
+    b_k, b_v = load_kv_tile(
+        kc_ptr, vc_ptr, b_blk * stride_kc_b + o_in * stride_kc_s, b_blk * stride_vc_b + o_in * stride_vc_s,
+        m_k, o_d, o_dv, D, DV, BLOCK_D, BLOCK_DV, UPCAST, KV_FP8,
+    )  # fmt: skip
+    if KV_FP8:
+        b_k = b_k.to(b_q.dtype)
+        b_v = b_v.to(b_q.dtype)
+    return b_k, b_v
 
 
 @triton.jit
@@ -218,9 +279,9 @@ def attend_rows_range(
     k_ptr, v_ptr,  # K/V rows with the head offset applied
     row0,  # token row of position lo (int64)
     stride_k_t: tl.int64, stride_v_t: tl.int64,
-    o_d, o_dv, qk_scale, window,
+    o_d, o_dv, qk_scale, window, sink_tokens,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    TILE_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, FP32_IEEE: tl.constexpr,
+    TILE_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, FP32_IEEE: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
     """The batch's own keys (``k_new`` / ``v_new`` rows), ``TILE_N`` contiguous rows per step."""
     o_n = tl.arange(0, TILE_N)
@@ -230,6 +291,6 @@ def attend_rows_range(
         o_tok = row0 + (start - lo + o_n).to(tl.int64)
         b_k, b_v = load_kv_tile(k_ptr, v_ptr, o_tok * stride_k_t, o_tok * stride_v_t, m_k, o_d, o_dv, D, DV,
                                 BLOCK_D, BLOCK_DV, UPCAST)  # fmt: skip
-        m_vis = visible_mask(q_pos, k_pos, m_k, window, CAUSAL)
+        m_vis = visible_mask(q_pos, k_pos, m_k, window, sink_tokens, CAUSAL, SINKS)
         m_i, l_i, acc = attend_tile(m_i, l_i, acc, b_q, b_k, b_v, m_vis, qk_scale, 1.0, FP32_IEEE)
     return m_i, l_i, acc

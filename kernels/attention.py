@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Triton attention of a varlen batch over the ring (``ring_attention``), draft blocks and prefill chunks alike;
 must match ``reference.ring_attention_reference``. Ring arithmetic: ``ring_geometry`` (column = (p // bs) mod
-period).
+period, after the sink blocks when there are sinks).
 
-A query at position ``q`` reads two sources: its history ``[q - W + 1, context_len)`` from the ring, and the
-batch's own keys straight from ``k_new``/``v_new``, so a chunk may be far longer than the ring. One program owns
+A query at position ``q`` reads two sources: its history ``[q - W + 1, context_len)`` from the ring (with attention
+sinks, also the sinks below it, ``[0, min(sink_tokens, q - W + 1))``, from the row's sink blocks: extra tiles ahead
+of the window's, in the same launch and the same split ranges), and the batch's own keys straight from
+``k_new``/``v_new``, so a chunk may be far longer than the ring. One program owns
 ``BLOCK_Q`` queries x all ``G`` heads of one KV head of one request (query-major rows ``i * G + g``, padded to the
 MMA tile), so each context K/V byte is read once per step; it walks the ring one KV block per step (one scalar
 block-table load, 16-byte K/V loads). When a batch of draft blocks leaves SMs idle the window is split
@@ -51,7 +53,7 @@ from .write import launch_ring_write
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["num_splits", "num_tokens"])
+@triton.jit(do_not_specialize=["sink_tokens", "num_splits", "num_tokens"])
 def _ring_attention_kernel(
     # outputs
     o_ptr,  # [T, HQ, DV] out when num_splits == 1, else the partial outputs [num_splits, T, HQ, DV] (same dtype)
@@ -70,6 +72,7 @@ def _ring_attention_kernel(
     # scalars: runtime, so one compiled kernel serves every batch
     qk_scale,  # softmax scale * log2(e)
     window,
+    sink_tokens,  # SINKS: keys 0 .. sink_tokens - 1 every query sees; rows [cdiv(sink_tokens, BS) sink blocks | ring]
     table_period,
     num_splits,  # context splits per query block (grid x = query blocks * num_splits); 1 for prefill chunks
     num_tokens,  # T: split s of the partial buffers starts at token row s * T
@@ -108,6 +111,7 @@ def _ring_attention_kernel(
     UPCAST: tl.constexpr,
     FP32_IEEE: tl.constexpr,
     KV_FP8: tl.constexpr,  # the ring caches are fp8 (e4m3fn or e5m2), dequantized on load
+    SINKS: tl.constexpr,  # sink_tokens > 0: a layer with attention sinks (without, the kernel is the sinkless one)
 ):
     # query blocks x splits on grid x (the long dimension: grid y and z stop at 65,535); prefill runs unsplit
     if PREFILL:
@@ -136,28 +140,44 @@ def _ring_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     # context keys [ctx_lo, context_len): the union of this query block's windows, in tiles of TILE_N keys split
-    # num_splits ways; a runtime span, so no constant grows with the window (full attention: window = 2^40)
+    # num_splits ways; a runtime span, so no constant grows with the window (full attention: window = 2^40).
+    # With sinks, the sinks' tiles come first ([0, sink_hi) and the window's keys they hold: attend_ring_range),
+    # then the window's: split s reads a contiguous run of the joint tiles, so the LSE merge sees every key once,
+    # whichever split read it
     ctx_lo = tl.maximum(context_len + q0 - (window - 1), 0)
-    num_tiles = ring_tile_count(ctx_lo, context_len, TILE_N)
+    if SINKS:
+        sink_hi = tl.minimum(sink_tokens, context_len)
+        sink_blocks = tl.cdiv(sink_tokens, BS)
+        num_sink_tiles = ring_tile_count(0, sink_hi, TILE_N)
+        num_tiles = num_sink_tiles + ring_tile_count(tl.maximum(ctx_lo, num_sink_tiles * TILE_N), context_len, TILE_N)
+    else:
+        sink_hi = 0
+        sink_blocks = 0
+        num_sink_tiles = 0
+        num_tiles = ring_tile_count(ctx_lo, context_len, TILE_N)
     tiles_per_split = tl.cdiv(num_tiles, splits)
     tile_lo = i_s * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     m_i, l_i, acc = attend_ring_range(
         m_i, l_i, acc, b_q, q_pos, ctx_lo, context_len, tile_lo, tile_hi,
         kc_ptr + i_h * stride_kc_h, vc_ptr + i_h * stride_vc_h, block_table_ptr + i_r * stride_bt_r, table_period,
-        k_scale, v_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, stride_bt_c, o_d, o_dv, qk_scale, window,
-        D, DV, BLOCK_D, BLOCK_DV, BS, TILE_N, UPCAST, FP32_IEEE, KV_FP8,
+        sink_hi, sink_blocks, num_sink_tiles, k_scale, v_scale, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+        stride_bt_c, o_d, o_dv, qk_scale, window, D, DV, BLOCK_D, BLOCK_DV, BS, TILE_N, UPCAST, FP32_IEEE, KV_FP8,
+        SINKS,
     )  # fmt: skip
 
     # the batch's own keys (last split only): a draft block's few rows whole; a prefill chunk's from the lowest
     # any row of this block sees to the highest (non-causal: min(P + q_len, P + q_last + W), summed so that no
-    # term passes int32 for any W up to 2^31 - 1)
+    # term passes int32 for any W up to 2^31 - 1); with sinks, a chunk that starts among them from its first row
+    # (its sink rows and window in one scan: the rows between are masked, a cost of a request's first chunks only)
     if i_s == splits - 1:
         new_lo = context_len
         new_hi = context_len + q_len
         if PREFILL:
             q_last = tl.minimum(q0 + BLOCK_Q, q_len) - 1
             new_lo = tl.maximum(context_len + q0 - (window - 1), context_len)
+            if SINKS:
+                new_lo = tl.where(context_len < sink_tokens, context_len, new_lo)
             if CAUSAL:
                 new_hi = context_len + q_last + 1
             else:
@@ -165,7 +185,7 @@ def _ring_attention_kernel(
         m_i, l_i, acc = attend_rows_range(
             m_i, l_i, acc, b_q, q_pos, new_lo, new_hi, kn_ptr + i_h * stride_kn_h, vn_ptr + i_h * stride_vn_h,
             bos + (new_lo - context_len).to(tl.int64), stride_kn_t, stride_vn_t, o_d, o_dv, qk_scale, window,
-            D, DV, BLOCK_D, BLOCK_DV, TILE_C, CAUSAL, UPCAST, FP32_IEEE,
+            sink_tokens, D, DV, BLOCK_D, BLOCK_DV, TILE_C, CAUSAL, UPCAST, FP32_IEEE, SINKS,
         )  # fmt: skip
 
     # a row that saw no key outputs 0 (l = 0)
@@ -348,6 +368,7 @@ def ring_attention(
     *,
     window: int,
     causal: bool,
+    sink_tokens: int = 0,
     scale: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
@@ -364,7 +385,10 @@ def ring_attention(
     and ``k >= 0``; causal adds ``k <= q``, non-causal adds ``k - q < W`` (vLLM ``sliding_window``;
     FlashAttention ``(W-1, 0)`` / ``(W-1, W-1)``). Request ``r``'s ``query_len`` queries sit at positions
     ``context_len .. seq_len - 1`` (``varlen``); context keys ``< context_len`` come from the ring, the
-    batch's own keys from ``k_new``/``v_new``.
+    batch's own keys from ``k_new``/``v_new``. Attention sinks (``sink_tokens`` > 0) widen ``q - k < W`` to
+    ``q - k < W or k < sink_tokens``; each block-table row is then ``[sink blocks | ring]``
+    (``ring_geometry``): the sinks' ``cdiv(sink_tokens, bs)`` blocks first, then the ring's ``table_period``
+    columns (a full logical row reads the same).
 
     Args:
         q: [T, Hq, D] fp16/bf16/fp32. k_new: [T, Hkv, D]. v_new: [T, Hkv, Dv].
@@ -374,12 +398,14 @@ def ring_attention(
         batch: a ``VarlenBatch``; ``BatchMode.DRAFT_BLOCK`` (blocks of up to ``MAX_QUERY_LEN`` rows, split-KV)
             or ``BatchMode.PREFILL_CHUNK`` (chunks of any length).
         window: W >= 1. causal: causality among the batch's own keys.
+        sink_tokens: keys ``0 .. sink_tokens - 1`` every query also sees, an int in ``0 .. W`` (0: none, the
+            sinkless kernel); read in the same launch as the window, each key once.
         scale: softmax scale, default ``D ** -0.5``.
         k_scale, v_scale: [1] float tensors on the caches' device, for fp8 caches only (vLLM ``layer._k_scale``).
         out: optional [T, Hq, Dv] output. num_splits: force the split-KV count of draft blocks (tests, benchmarks).
-        write_ring: after the attention, store the rows of positions ``>= seq_lens[r] - (W - 1)`` (the live ones;
-            of rows sharing a slot only the last) through ``slot_mapping`` when given (vLLM's, [>= T]), else
-            through ``batch.block_table``.
+        write_ring: after the attention, store the live rows (positions ``>= seq_lens[r] - (W - 1)`` or in a sink
+            block; of rows sharing a slot only the last) through ``slot_mapping`` when given (vLLM's, [>= T]),
+            else through ``batch.block_table``.
         workspace: a ``SplitWorkspace`` the launch takes its scratch from instead of allocating it (the serving
             path: one per stream of launches, kept for the process).
 
@@ -387,8 +413,9 @@ def ring_attention(
         [T, Hq, Dv] in ``q.dtype``; rows past ``query_start_loc[-1]`` are left as they were.
     """
     inputs = validate_attention_inputs(
-        q, k_new, v_new, RingCache(k_cache, v_cache, k_scale, v_scale), batch, window=window, scale=scale, out=out
-    )
+        q, k_new, v_new, RingCache(k_cache, v_cache, k_scale, v_scale), batch, window=window, scale=scale, out=out,
+        sink_tokens=sink_tokens,
+    )  # fmt: skip
     num_tokens = q.shape[0]
     if slot_mapping is not None:
         if not write_ring:
@@ -399,12 +426,13 @@ def ring_attention(
     num_splits = split_count(num_splits, batch, config, num_kv_heads=k_new.shape[1], window=window, device=q.device)
     if batch.num_reqs and num_tokens:
         launch_attention(
-            q, k_new, v_new, batch, inputs, config, num_splits, window=window, causal=causal, workspace=workspace
-        )
+            q, k_new, v_new, batch, inputs, config, num_splits, window=window, causal=causal, sink_tokens=sink_tokens,
+            workspace=workspace,
+        )  # fmt: skip
     if write_ring and num_tokens:
         slots = batch_live_slots(
             batch.query_start_loc, batch.seq_lens, batch.block_table, num_tokens, kv_block_size=k_cache.shape[1],
-            window=window, period=batch.period, slot_mapping=slot_mapping,
+            window=window, period=batch.period, slot_mapping=slot_mapping, sink_tokens=sink_tokens,
         )  # fmt: skip
         launch_ring_write(k_new, v_new, inputs.cache, slots)
     return inputs.out
@@ -421,6 +449,7 @@ def launch_attention(
     *,
     window: int,
     causal: bool,
+    sink_tokens: int = 0,
     workspace: SplitWorkspace | None = None,
 ) -> None:
     """The attention kernel on validated inputs, and with splits the log-sum-exp merge into ``inputs.out``."""
@@ -441,14 +470,14 @@ def launch_attention(
         lse, target = scratch
     _ring_attention_kernel[attention_grid(batch, k_new.shape[1], config.BLOCK_Q, num_splits)](
         target, lse, q, k_new, v_new, *inputs.cache.pointers(), batch.block_table, batch.query_start_loc,
-        batch.seq_lens, inputs.scale * LOG2E, window, batch.period, num_splits, num_tokens,
+        batch.seq_lens, inputs.scale * LOG2E, window, sink_tokens, batch.period, num_splits, num_tokens,
         target.stride(-3), target.stride(-2), lse.stride(1),
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         *inputs.cache.strides(), batch.block_table.stride(0), batch.block_table.stride(1),
         G=inputs.group_size, D=head_dim, DV=head_dim_v, BS=inputs.cache.k_cache.shape[1], BLOCK_Q=config.BLOCK_Q,
         BLOCK_M=config.BLOCK_M, TILE_N=config.TILE_N, TILE_C=config.TILE_C, BLOCK_D=config.BLOCK_D,
         BLOCK_DV=config.BLOCK_DV, CAUSAL=causal, PREFILL=batch.mode is BatchMode.PREFILL_CHUNK,
-        UPCAST=is_interpreter(), FP32_IEEE=q.dtype == torch.float32, KV_FP8=inputs.cache.fp8,
+        UPCAST=is_interpreter(), FP32_IEEE=q.dtype == torch.float32, KV_FP8=inputs.cache.fp8, SINKS=sink_tokens > 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if num_splits > 1:

@@ -50,11 +50,14 @@ def dense_history_attention(
     causal: bool,
     scale: float | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    sink_tokens: int = 0,
+    sink_history: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """The oracle of a varlen batch (``varlen``: request ``r``'s queries at ``context_len .. seq_len - 1``) whose
-    context is a dense history per request, masked by the contract (``ring_geometry.visible``: ``q - k < W``,
-    ``k >= 0``, causal ``k <= q`` else ``k - q < W``). Only the keys some query sees are computed, so a long
-    history costs its window, not its length; K/V of positions no query sees may hold anything, NaN included.
+    context is a dense history per request, masked by the contract (``ring_geometry.visible``: ``k >= 0`` and
+    ``q - k < W`` or ``k < sink_tokens``, causal ``k <= q`` else ``k - q < W``). Only the keys some query sees are
+    computed, so a long history costs its window (and sinks), not its length; K/V of positions no query sees may
+    hold anything, NaN included.
 
     Args:
         q: [T, Hq, D]; k_new: [T, Hkv, D]; v_new: [T, Hkv, Dv]: the batch's own rows.
@@ -65,6 +68,9 @@ def dense_history_attention(
         query_start_loc: [num_reqs + 1]; seq_lens: [num_reqs] (any int dtype, any device).
         window: W. causal: see above. scale: default ``D ** -0.5``.
         compute_dtype: the dtype of the whole computation (fp64: the oracle; the kernel's dtype: ``ref_lo``).
+        sink_tokens: keys every query sees besides its window (0: none).
+        sink_history: per request ``(k [m, Hkv, D], v [m, Hkv, Dv])`` of positions ``0 .. m - 1``, read for the
+            sinks below its history's ``first`` (``min(sink_tokens, first)`` rows needed); None: no such rows.
 
     Returns:
         [T, Hq, Dv] in ``compute_dtype``; rows of no request (past ``query_start_loc[-1]``) are 0.
@@ -84,17 +90,47 @@ def dense_history_attention(
                 f"queries see {first_visible_position(context_len, window)}..{context_len - 1}; keep that history"
             )
         q_pos = torch.arange(context_len, seq_len, device=device)
-        history_pos = torch.arange(first, max(first, context_len), device=device)
-        # [B, n + B]: which history rows, then which of the batch's own rows, each query sees
-        mask = visible(q_pos[:, None], torch.cat([history_pos, q_pos])[None, :], window, causal)
-        # only the rows some query sees travel on
-        rows = mask[:, : len(history_pos)].any(0).nonzero()[:, 0]
-        own = mask[:, len(history_pos) :].any(0).nonzero()[:, 0]
-        k = torch.cat([k_hist[rows.to(k_hist.device)].to(device, compute_dtype), k_new[begin + own].to(compute_dtype)])
-        v = torch.cat([v_hist[rows.to(v_hist.device)].to(device, compute_dtype), v_new[begin + own].to(compute_dtype)])
-        keep = torch.cat([rows, len(history_pos) + own])
-        out[begin:end] = masked_softmax_attention(q[begin:end].to(compute_dtype), k, v, mask[:, keep], scale)
+        # every query sees the sinks below the history's first position (k < sink_tokens, k < first <= q)
+        below = min(sink_tokens, first)
+        # key sources in position order: those sinks, the history, the batch's own rows
+        sources = [
+            (*sink_rows(sink_history, request, below, k_hist, v_hist), torch.arange(below)),
+            (k_hist, v_hist, torch.arange(first, max(first, context_len))),
+            (k_new[begin:end], v_new[begin:end], q_pos),
+        ]
+        keys, values, masks = [], [], []
+        for k_source, v_source, positions in sources:
+            # [B, n]: which rows of this source each query sees; only the rows some query sees travel on
+            mask = visible(q_pos[:, None], positions.to(device)[None, :], window, causal, sink_tokens)
+            rows = mask.any(0).nonzero()[:, 0]
+            keys.append(k_source[rows.to(k_source.device)].to(device, compute_dtype))
+            values.append(v_source[rows.to(v_source.device)].to(device, compute_dtype))
+            masks.append(mask[:, rows])
+        out[begin:end] = masked_softmax_attention(
+            q[begin:end].to(compute_dtype), torch.cat(keys), torch.cat(values), torch.cat(masks, 1), scale
+        )
     return out
+
+
+def sink_rows(
+    sink_history: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
+    request: int,
+    needed: int,
+    k_hist: torch.Tensor,
+    v_hist: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request ``request``'s K/V of the sink positions ``0 .. needed - 1`` (empty rows shaped like its history when
+    none are needed)."""
+    if not needed:
+        return k_hist[:0], v_hist[:0]
+    held = 0 if sink_history is None else sink_history[request][0].shape[0]
+    if held < needed:
+        raise ValueError(
+            f"request {request}: its queries see the sinks 0..{needed - 1} below its history, but sink_history holds "
+            f"{held} of them; pass the K/V of positions 0..{needed - 1} in sink_history"
+        )
+    k_sink, v_sink = sink_history[request]
+    return k_sink[:needed], v_sink[:needed]
 
 
 def oracle_pair(
@@ -107,12 +143,15 @@ def oracle_pair(
     *,
     window: int,
     causal: bool,
+    sink_tokens: int = 0,
+    sink_history: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ref_hi, ref_lo) of the tolerance rule from the dense oracle (``dense_history_attention``): fp64, and the
     batch's own dtype with the ops reordered (flash-attention's ``reorder_ops``: Q scaled in its dtype before the
     dot, as the kernels do, not the scores after it)."""
     rest = (k_new, v_new, histories, query_start_loc, seq_lens)
-    ref_hi = dense_history_attention(q, *rest, window=window, causal=causal, compute_dtype=torch.float64)
+    rule = {"window": window, "causal": causal, "sink_tokens": sink_tokens, "sink_history": sink_history}
+    ref_hi = dense_history_attention(q, *rest, **rule, compute_dtype=torch.float64)
     scaled_q = q * q.shape[-1] ** -0.5
-    ref_lo = dense_history_attention(scaled_q, *rest, window=window, causal=causal, scale=1.0, compute_dtype=q.dtype)
+    ref_lo = dense_history_attention(scaled_q, *rest, **rule, scale=1.0, compute_dtype=q.dtype)
     return ref_hi, ref_lo

@@ -6,9 +6,21 @@ Token position ``p`` lives in logical block ``j = p // bs``, which maps to ring 
 of the request's block-table row (``period = R`` for a compact ring row; for a full logical row, as vLLM
 keeps it, any period ``>= row width`` makes the column ``j`` itself).
 
+Attention sinks (StreamingLLM; a full-attention layer served on a bounded ring): with ``sink_tokens`` > 0 a query
+also sees every key ``k < sink_tokens``, and the row is ``[sink blocks | ring columns]``: the first
+``ns = cdiv(sink_tokens, bs)`` logical blocks keep columns ``0 .. ns-1`` for the request's life, and block
+``j >= ns`` maps to column ``ns + (j - ns) mod period`` (``block_column``; ``ns = 0`` is the rule above)::
+
+    row:   | sink 0 | ... | sink ns-1 | ring 0 | ring 1 | ... | ring R-1 |      (ns + R columns)
+    block:   0        ...   ns-1        ns, ns+R, ...   ns+1, ns+1+R, ...
+
+Positions ``sink_tokens <= p < ns * bs`` sit in the last sink block too (one slot per token, one write), and
+only the window rule shows them.
+
 Window convention (``window = W``): a query at absolute position ``q`` sees key ``k`` iff ``q - k < W``
 and ``k >= 0``; causal adds ``k <= q``, non-causal adds ``k - q < W``. This equals vLLM ``sliding_window``
 and fla ``window_size``; FlashAttention ``(W-1, 0)`` / ``(W-1, W-1)``; FlashInfer ``window_left = W-1``.
+Sinks widen the first clause to ``q - k < W or k < sink_tokens`` (``visible``).
 
 Why ``R = cdiv(W + la - 2, bs) + 1`` blocks suffice::
 
@@ -23,8 +35,13 @@ Why ``R = cdiv(W + la - 2, bs) + 1`` blocks suffice::
 
 For W=2048, bs=16, la=8 (DFlash2, 7 speculative tokens) this gives R = cdiv(2054, 16) + 1 = 130.
 
+With sinks the same R suffices for the ring columns: sink blocks never share a column with anything, and the
+live span's positions at or past ``ns * bs`` are a contiguous run of at most ``W + la - 1`` positions in blocks
+``>= ns``, so at most R of them, whose ``(j - ns) mod R`` are distinct. A sink's own keys need no ring slot.
+
 Writes of a batch that ends at ``P_end`` (exclusive) never store positions ``< P_end - (W-1)``: they are
-dead (no later query can see them) and, in a chunk longer than the ring, would alias live slots.
+dead (no later query can see them) and, in a chunk longer than the ring, would alias live slots. Positions in
+sink blocks (``p < ns * bs``) are never dead: each owns its slot for the request's life.
 """
 
 from __future__ import annotations
@@ -53,6 +70,31 @@ def _require_positive_int(name: str, value: object, hint: str) -> int:
     return value
 
 
+def check_sink_tokens(sink_tokens: object, window: int) -> int:
+    """``sink_tokens`` as the ring takes it: an int in ``0 .. window`` (0: no sinks)."""
+    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int):
+        raise ValueError(f"sink_tokens={sink_tokens!r} must be an int; pass the number of sink tokens, 0 for none")
+    if sink_tokens < 0:
+        raise ValueError(f"sink_tokens={sink_tokens} must be >= 0; pass 0 for no sinks")
+    if sink_tokens > window:
+        raise ValueError(
+            f"sink_tokens={sink_tokens} exceeds window={window}; pass sink_tokens <= window (sinks are the first "
+            "tokens kept beside the window; a longer prefix needs a larger window)"
+        )
+    return sink_tokens
+
+
+def sink_block_count(sink_tokens: int, kv_block_size: int) -> int:
+    """``ns``, the logical blocks that hold the sink tokens: ``cdiv(sink_tokens, bs)`` (0 without sinks)."""
+    return triton.cdiv(sink_tokens, kv_block_size)
+
+
+def first_ring_position(sink_tokens: int, kv_block_size: int) -> int:
+    """The first position past the sink blocks, ``ns * bs``: every position below it owns its slot for life, the
+    ring holds those at or past it."""
+    return sink_block_count(sink_tokens, kv_block_size) * kv_block_size
+
+
 def ring_blocks_needed(window: int, kv_block_size: int, lookahead: int) -> int:
     """Blocks ``R`` a ring needs so that one step's live span never aliases (see module docstring)."""
     _require_positive_int("window", window, "pass the drafter's sliding window W (keys per query, incl. itself)")
@@ -61,22 +103,34 @@ def ring_blocks_needed(window: int, kv_block_size: int, lookahead: int) -> int:
     return triton.cdiv(window + lookahead - 2, kv_block_size) + 1
 
 
-def block_column(logical_block: torch.Tensor | int, period: int) -> torch.Tensor | int:
-    """The ring column of logical block ``j``: ``j mod period`` (in vLLM's full logical row, entry ``j`` names the
+def block_column(logical_block: torch.Tensor | int, period: int, sink_blocks: int = 0) -> torch.Tensor | int:
+    """The row column of logical block ``j >= 0``: ``j`` for a sink block (``j < ns``), else
+    ``ns + (j - ns) mod period``; ``j mod period`` without sinks (in vLLM's full logical row, entry ``j`` names the
     block of this column)."""
-    return logical_block % period
+    ring = sink_blocks + (logical_block - sink_blocks) % period
+    if isinstance(logical_block, int):
+        return logical_block if logical_block < sink_blocks else ring
+    return torch.where(logical_block < sink_blocks, logical_block, ring)
 
 
-def position_column(position: torch.Tensor, kv_block_size: int, period: int) -> torch.Tensor:
-    """The ring column of ``position``: ``(position // bs) mod period`` (``block_column`` of its logical block)."""
-    return block_column(torch.div(position, kv_block_size, rounding_mode="floor"), period)
+def position_column(position: torch.Tensor, kv_block_size: int, period: int, sink_tokens: int = 0) -> torch.Tensor:
+    """The row column of ``position``: ``block_column`` of its logical block ``position // bs``."""
+    logical_block = torch.div(position, kv_block_size, rounding_mode="floor")
+    return block_column(logical_block, period, sink_block_count(sink_tokens, kv_block_size))
 
 
 def first_visible_position(query_position: torch.Tensor | int, window: int) -> torch.Tensor | int:
-    """Lowest key position a query at ``query_position`` may see: ``max(0, q - (W - 1))``."""
+    """Lowest key position the window shows a query at ``query_position``: ``max(0, q - (W - 1))`` (sinks below
+    it: ``sinks_below_window``)."""
     if isinstance(query_position, int):
         return max(0, query_position - (window - 1))
     return torch.clamp(query_position - (window - 1), min=0)
+
+
+def sinks_below_window(query_position: int, window: int, sink_tokens: int) -> int:
+    """End of the sinks a query at ``query_position`` sees below its window: keys ``0 .. min(sink_tokens,
+    first_visible_position(q)) - 1``; the sinks at or past that position are in the window already."""
+    return min(sink_tokens, first_visible_position(query_position, window))
 
 
 def longest_rebuilding_prefix_hit(num_tokens: int, window: int) -> int:
@@ -91,9 +145,12 @@ def longest_rebuilding_prefix_hit(num_tokens: int, window: int) -> int:
     return first_visible_position(num_tokens, window)
 
 
-def visible(query_position: torch.Tensor, key_position: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
-    """The attention contract: ``q - k < W``, ``k >= 0``, plus ``k <= q`` (causal) or ``k - q < W``."""
-    seen = (query_position - key_position < window) & (key_position >= 0)
+def visible(
+    query_position: torch.Tensor, key_position: torch.Tensor, window: int, causal: bool, sink_tokens: int = 0
+) -> torch.Tensor:
+    """The attention contract: ``k >= 0`` and (``q - k < W`` or ``k < sink_tokens``), plus ``k <= q`` (causal) or
+    ``k - q < W``."""
+    seen = ((query_position - key_position < window) | (key_position < sink_tokens)) & (key_position >= 0)
     if causal:
         return seen & (key_position <= query_position)
     return seen & (key_position - query_position < window)
@@ -101,21 +158,26 @@ def visible(query_position: torch.Tensor, key_position: torch.Tensor, window: in
 
 @dataclass(frozen=True)
 class RingPlan:
-    """A per-request ring for one sliding-window layer group.
+    """A per-request ring for one sliding-window layer group (or a full-attention group served on a bounded ring:
+    a window plus sink tokens).
 
     Args:
         window: W, keys a query sees including itself.
         kv_block_size: bs, tokens per KV block.
         lookahead: la, the most positions one step writes at or past the context length
             (``num_speculative_tokens + 1`` for DFlash).
+        sink_tokens: keys ``0 .. sink_tokens - 1`` every query sees besides its window (``0 .. W``; 0: none),
+            held in ``sink_blocks`` blocks before the ring's R columns (module docstring).
     """
 
     window: int
     kv_block_size: int
     lookahead: int
+    sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         ring_blocks_needed(self.window, self.kv_block_size, self.lookahead)
+        check_sink_tokens(self.sink_tokens, self.window)
 
     @classmethod
     def for_dflash(cls, window: int, kv_block_size: int, num_speculative_tokens: int) -> RingPlan:
@@ -133,8 +195,18 @@ class RingPlan:
 
     @property
     def num_slots(self) -> int:
-        """S = R * bs."""
+        """The ring's slots, R * bs (the sink blocks apart)."""
         return self.ring_blocks * self.kv_block_size
+
+    @property
+    def sink_blocks(self) -> int:
+        """ns, the blocks before the ring's columns that hold the sink tokens (0 without sinks)."""
+        return sink_block_count(self.sink_tokens, self.kv_block_size)
+
+    @property
+    def row_blocks(self) -> int:
+        """Columns of a compact row, ``[sink blocks | ring]``: ns + R."""
+        return self.sink_blocks + self.ring_blocks
 
     def logical_blocks(self, num_tokens: int) -> int:
         """Logical blocks the positions ``0 .. num_tokens - 1`` span: ``cdiv(N, bs)``."""
@@ -143,12 +215,12 @@ class RingPlan:
         return triton.cdiv(num_tokens, self.kv_block_size)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
-        """Physical blocks a request of ``num_tokens`` tokens holds: ``min(cdiv(N, bs), R)``."""
-        return min(self.logical_blocks(num_tokens), self.ring_blocks)
+        """Physical blocks a request of ``num_tokens`` tokens holds: ``min(cdiv(N, bs), ns + R)``."""
+        return min(self.logical_blocks(num_tokens), self.row_blocks)
 
     def first_visible_block(self, query_position: int) -> int:
-        """The logical block of the lowest key a query at ``query_position`` may see: blocks below it are dead to
-        that query and to every later one."""
+        """The logical block of the lowest key the window shows a query at ``query_position``: blocks below it,
+        the sink blocks aside, are dead to that query and to every later one."""
         return first_visible_position(query_position, self.window) // self.kv_block_size
 
     def live_span(self, context_len: int) -> tuple[int, int]:
@@ -184,11 +256,12 @@ class RingPlan:
 
         Args:
             positions: [T] absolute positions (int).
-            block_table: [num_reqs, width] or [width] physical block ids; column = (p // bs) mod period.
+            block_table: [num_reqs, width] or [width] physical block ids; column = ``block_column(p // bs)``.
             request_index: [T] row of ``block_table`` per token (default row 0).
             seq_len: the batch's end (exclusive) per token ([T]) or for all; positions before
-                ``seq_len - (W - 1)`` are dead and get PAD. ``None`` keeps every position.
-            period: column period, default R (a compact ring row).
+                ``seq_len - (W - 1)`` are dead and get PAD, but for the sink blocks' (``written``). ``None`` keeps
+                every position.
+            period: the ring's column period, default R (a compact row, ``[sink blocks | ring]``).
 
         Returns:
             [T] int64 slots ``block_id * bs + p mod bs``.
@@ -196,7 +269,7 @@ class RingPlan:
         return table_slot_mapping(
             positions, block_table, kv_block_size=self.kv_block_size, window=self.window,
             period=self.ring_blocks if period is None else period,
-            request_index=request_index, seq_len=seq_len,
+            request_index=request_index, seq_len=seq_len, sink_tokens=self.sink_tokens,
         )  # fmt: skip
 
 
@@ -205,17 +278,18 @@ def slot_coordinates(slots: torch.Tensor, kv_block_size: int) -> tuple[torch.Ten
     return torch.div(slots, kv_block_size, rounding_mode="floor"), torch.remainder(slots, kv_block_size)
 
 
-def written(positions: torch.Tensor, seq_len: torch.Tensor | int, window: int) -> torch.Tensor:
-    """Which rows of a write batch ending at ``seq_len`` (exclusive) are stored: ``p >= 0`` and not dead,
-    i.e. ``p >= seq_len - (W - 1)`` (a later query may still see them)."""
-    return (positions >= 0) & (positions >= seq_len - (window - 1))
+def written(positions: torch.Tensor, seq_len: torch.Tensor | int, window: int, sink_end: int = 0) -> torch.Tensor:
+    """Which rows of a write batch ending at ``seq_len`` (exclusive) are stored: ``p >= 0`` and not dead, i.e.
+    ``p >= seq_len - (W - 1)`` (a later query may still see them) or ``p < sink_end`` (a sink block's position,
+    which owns its slot for life: ``first_ring_position(sink_tokens, bs)``)."""
+    return (positions >= 0) & ((positions >= seq_len - (window - 1)) | (positions < sink_end))
 
 
 def pad_unwritten(
-    slots: torch.Tensor, positions: torch.Tensor, seq_len: torch.Tensor | int, window: int
+    slots: torch.Tensor, positions: torch.Tensor, seq_len: torch.Tensor | int, window: int, sink_end: int = 0
 ) -> torch.Tensor:
     """A caller's slot mapping (vLLM's) with PAD for the rows ``written`` rejects."""
-    return torch.where(written(positions, seq_len, window), slots, torch.full_like(slots, PAD_SLOT))
+    return torch.where(written(positions, seq_len, window, sink_end), slots, torch.full_like(slots, PAD_SLOT))
 
 
 def table_slot_mapping(
@@ -227,15 +301,18 @@ def table_slot_mapping(
     period: int,
     request_index: torch.Tensor | None = None,
     seq_len: torch.Tensor | int | None = None,
+    sink_tokens: int = 0,
 ) -> torch.Tensor:
-    """``block_table[row, (p // bs) mod period] * bs + p mod bs``; PAD for ``p < 0`` and, given
-    ``seq_len``, for dead positions ``p < seq_len - (W - 1)`` (see ``RingPlan.slot_mapping``)."""
+    """``block_table[row, position_column(p)] * bs + p mod bs``; PAD for ``p < 0`` and, given ``seq_len``, for dead
+    positions (``written``; see ``RingPlan.slot_mapping``)."""
     table = block_table.reshape(-1, block_table.shape[-1]).to(torch.int64)
     rows = torch.zeros_like(positions) if request_index is None else request_index
     positions = positions.to(torch.int64)
-    keep = positions >= 0 if seq_len is None else written(positions, seq_len, window)
+    keep = positions >= 0
+    if seq_len is not None:
+        keep = written(positions, seq_len, window, first_ring_position(sink_tokens, kv_block_size))
     safe = torch.where(keep, positions, torch.zeros_like(positions))
-    block_ids = table[rows.to(torch.int64), position_column(safe, kv_block_size, period)]
+    block_ids = table[rows.to(torch.int64), position_column(safe, kv_block_size, period, sink_tokens)]
     slots = block_ids * kv_block_size + torch.remainder(safe, kv_block_size)
     return torch.where(keep, slots, torch.full_like(slots, PAD_SLOT))
 
@@ -270,17 +347,21 @@ def batch_live_slots(
     window: int,
     period: int,
     slot_mapping: torch.Tensor | None = None,
+    sink_tokens: int = 0,
 ) -> torch.Tensor:
     """Where a varlen batch's rows are stored after its attention (write-after-read): vLLM's ``slot_mapping`` when
-    given, else the ring slots of ``block_table`` (``table_slot_mapping``); positions before
-    ``seq_lens[r] - (W - 1)`` and all but the last writer of each slot PAD. No host sync."""
+    given, else the ring slots of ``block_table`` (``table_slot_mapping``); dead positions (``written``: before
+    ``seq_lens[r] - (W - 1)`` and past the sink blocks) and all but the last writer of each slot PAD. No host
+    sync."""
     request, positions, ends = varlen_positions(query_start_loc, seq_lens, num_tokens)
     if slot_mapping is not None:
-        slots = pad_unwritten(slot_mapping[:num_tokens], positions, ends, window)
+        slots = pad_unwritten(
+            slot_mapping[:num_tokens], positions, ends, window, first_ring_position(sink_tokens, kv_block_size)
+        )
     else:
         slots = table_slot_mapping(
             positions, block_table, kv_block_size=kv_block_size, window=window, period=period, request_index=request,
-            seq_len=ends,
+            seq_len=ends, sink_tokens=sink_tokens,
         )  # fmt: skip
     return last_writer_slots(slots)
 

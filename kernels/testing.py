@@ -10,11 +10,12 @@ default everywhere: the demo, the #55800 simulation, the GPU check) and the head
 it (``DrafterShape``).
 
 Pool: ``RingPool.allocate`` gives each of ``num_reqs`` requests a ring of ``R = plan.ring_blocks`` physical blocks (a
-compact row, ``table_period = R``) in one ``[num_blocks, bs, Hkv, D]`` K/V pool that is NaN everywhere (fp8: the NaN
-byte 0x7F), so a read of any slot nothing wrote poisons the output. Block 0 is the null block and never in a ring.
-The caches are ``[..., :D]`` views of storage whose head dim is padded to ``KV_STRIDE_ELEMENTS`` (the kernels'
-16-byte alignment, ``check_kv_alignment``); the pad is a NaN guard band. ``write`` stores rows through the plan's
-slot mapping (dead positions PAD) and ``batch`` builds the ``VarlenBatch`` of queries over the rings.
+compact row, ``table_period = R``, after the plan's sink blocks if it has sinks) in one ``[num_blocks, bs, Hkv, D]``
+K/V pool that is NaN everywhere (fp8: the NaN byte 0x7F), so a read of any slot nothing wrote poisons the output.
+Block 0 is the null block and never in a ring. The caches are ``[..., :D]`` views of storage whose head dim is
+padded to ``KV_STRIDE_ELEMENTS`` (the kernels' 16-byte alignment, ``check_kv_alignment``); the pad is a NaN guard
+band. ``write`` stores rows through the plan's slot mapping (dead positions PAD) and ``batch`` builds the
+``VarlenBatch`` of queries over the rings.
 """
 
 from __future__ import annotations
@@ -113,10 +114,10 @@ class RingPool:
     """Ring K/V of ``num_reqs`` requests in one pool.
 
     Attributes:
-        plan: the rings' geometry (``R = plan.ring_blocks`` blocks per request).
+        plan: the rings' geometry (``plan.row_blocks`` blocks per request: ``ns`` sink blocks, then ``R``).
         k_cache: [num_blocks, bs, Hkv, D] K cache (any strides the kernels take).
         v_cache: [num_blocks, bs, Hkv, Dv] V cache.
-        rings: [num_reqs, R] int32 physical block ids: request ``r``'s compact ring row.
+        rings: [num_reqs, ns + R] int32 physical block ids: request ``r``'s compact row ``[sink blocks | ring]``.
     """
 
     plan: RingPlan
@@ -138,22 +139,22 @@ class RingPool:
         num_blocks: int | None = None,
         generator: torch.Generator | None = None,
     ) -> RingPool:
-        """A NaN pool of ``num_blocks`` blocks (default ``1 + num_reqs * R``: the null block and the rings).
+        """A NaN pool of ``num_blocks`` blocks (default ``1 + num_reqs * (ns + R)``: the null block and the rows).
 
-        Rings take blocks ``1 ..`` in order, or, given ``generator``, the first ``num_reqs * R`` of a random
+        Rows take blocks ``1 ..`` in order, or, given ``generator``, the first ``num_reqs * (ns + R)`` of a random
         permutation of blocks ``1 .. num_blocks - 1`` (drawn on the generator's device; the other blocks stay NaN).
         ``dtype`` is the caches' (fp8 for an fp8 ring).
         """
-        owned = num_reqs * plan.ring_blocks
+        owned = num_reqs * plan.row_blocks
         num_blocks = 1 + owned if num_blocks is None else num_blocks
         if num_blocks < 1 + owned:
-            raise ValueError(f"num_blocks={num_blocks} cannot hold the null block and {num_reqs} rings of "
-                             f"R={plan.ring_blocks} blocks; pass num_blocks >= {1 + owned}")  # fmt: skip
+            raise ValueError(f"num_blocks={num_blocks} cannot hold the null block and {num_reqs} rows of "
+                             f"{plan.row_blocks} blocks; pass num_blocks >= {1 + owned}")  # fmt: skip
         if generator is None:
             physical = torch.arange(1, 1 + owned)
         else:
             physical = (torch.randperm(num_blocks - 1, generator=generator, device=generator.device) + 1)[:owned]
-        rings = physical.view(num_reqs, plan.ring_blocks).to(torch.int32).to(device)
+        rings = physical.view(num_reqs, plan.row_blocks).to(torch.int32).to(device)
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         caches = (aligned_cache((num_blocks, plan.kv_block_size, num_kv_heads, d), dtype, device)
                   for d in (head_dim, head_dim_v))  # fmt: skip
@@ -181,7 +182,8 @@ class RingPool:
         **scales: torch.Tensor,
     ) -> torch.Tensor:
         """``ring_write`` of request ``request``'s rows ``k`` / ``v`` ([T, Hkv, D|Dv]) at ``positions`` by a batch
-        ending at ``seq_len`` (positions before ``seq_len - (W - 1)`` are dead: not stored). ``scales``: fp8
+        ending at ``seq_len`` (positions before ``seq_len - (W - 1)`` past the sink blocks are dead: not stored).
+        ``scales``: fp8
         ``k_scale`` / ``v_scale``. Returns the slot mapping it wrote through (PAD = -1)."""
         slots = self.slot_mapping(positions, request, seq_len=seq_len)
         ring_write(k, v, self.k_cache, self.v_cache, slots, **scales)

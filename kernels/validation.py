@@ -12,7 +12,7 @@ import triton
 
 from ._triton_utils import debug_checks_enabled, is_interpreter
 from .kv_quant import FP8_DTYPES, check_scale
-from .ring_geometry import UNBOUNDED_WINDOW, ring_blocks_needed
+from .ring_geometry import UNBOUNDED_WINDOW, check_sink_tokens, ring_blocks_needed, sink_block_count
 from .varlen import INDEX_DTYPES, BatchMode, VarlenBatch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -161,6 +161,7 @@ def validate_attention_inputs(
     window: int,
     scale: float | None,
     out: torch.Tensor | None,
+    sink_tokens: int = 0,
 ) -> AttentionInputs:
     """Check ``ring_attention``'s tensors against each other and against ``batch`` (validated when it was built).
     Allocates ``out``."""
@@ -198,6 +199,7 @@ def validate_attention_inputs(
             f"window={window!r} must be an int in 1..{UNBOUNDED_WINDOW} (keys a query sees, itself included); "
             "pass UNBOUNDED_WINDOW for full attention"
         )
+    check_sink_tokens(sink_tokens, window)
     scale = head_dim**-0.5 if scale is None else float(scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale={scale} must be a finite positive number (default head_dim ** -0.5)")
@@ -220,6 +222,7 @@ def validate_attention_inputs(
                 f"max_query_len={lookahead} at kv_block_size={kv_block_size}; it needs R >= {needed} "
                 "(plan the ring with RingPlan(window, kv_block_size, lookahead >= query_len))"
             )
+        check_sink_columns(batch, sink_tokens, kv_block_size)
     out_shape = (num_tokens, num_q_heads, head_dim_v)
     if out is None:
         out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
@@ -232,6 +235,19 @@ def validate_attention_inputs(
     if debug_checks_enabled():
         check_metadata_ranges(batch, num_tokens, k_cache.shape[0])
     return AttentionInputs(group_size=num_q_heads // num_kv_heads, scale=scale, out=out, cache=cache)
+
+
+def check_sink_columns(batch: VarlenBatch, sink_tokens: int, kv_block_size: int) -> None:
+    """A compact row with sinks is ``[sink blocks | ring]``: room for the sink blocks before ``table_period``."""
+    width = batch.block_table.shape[1]
+    sink_blocks = sink_block_count(sink_tokens, kv_block_size)
+    if sink_blocks + batch.table_period > width:
+        raise ValueError(
+            f"block_table width {width} cannot hold the {sink_blocks} sink blocks of sink_tokens={sink_tokens} "
+            f"(kv_block_size={kv_block_size}) before a ring of table_period={batch.table_period} columns; rows are "
+            f"[sink blocks | ring]: give each request {sink_blocks + batch.table_period} columns "
+            "(RingPlan(..., sink_tokens=...).row_blocks) or pass full logical rows (table_period=None)"
+        )
 
 
 def check_metadata_ranges(batch: VarlenBatch, num_tokens: int, num_blocks: int) -> None:

@@ -59,6 +59,7 @@ class Draw:
     write_last: bool
     pad_tokens: int
     spare_blocks: int
+    sink_tokens: int = 0
 
     def __str__(self) -> str:
         fields = ", ".join(f"{k}={v}" for k, v in self.__dict__.items() if k not in ("kernel", "seed"))
@@ -72,12 +73,15 @@ def draw_rows(rng: random.Random, kernel: str, slots: int) -> int:
     return rng.choice([0, 1, rng.randint(1, 24), rng.randint(1, 2 * slots + 3)])
 
 
-def draw(kernel: str, dtype: torch.dtype, seed: int, *, ci: bool, fp8_dtype: torch.dtype | None = None) -> Draw:
+def draw(
+    kernel: str, dtype: torch.dtype, seed: int, *, ci: bool, fp8_dtype: torch.dtype | None = None, sinks: bool = False
+) -> Draw:
     """The case of ``seed`` (everything random comes from here). The CI tier redraws (from the same stream) until
-    the case is cheap under the interpreter: few history launches, little attention work."""
+    the case is cheap under the interpreter: few history launches, little attention work. ``sinks``: a layer with
+    attention sinks (its history then starts at position 0)."""
     rng = random.Random(seed)
     while True:
-        d = draw_once(rng, kernel, dtype, seed, fp8_dtype)
+        d = draw_once(rng, kernel, dtype, seed, fp8_dtype, sinks)
         if not ci or within(interpreter_cost(d), CI_COST):
             return d
 
@@ -95,8 +99,10 @@ def within(cost: tuple[int, ...], limit: tuple[int, ...]) -> bool:
     return all(c <= m for c, m in zip(cost, limit, strict=True))
 
 
-def draw_once(rng: random.Random, kernel: str, dtype: torch.dtype, seed: int, fp8_dtype: torch.dtype | None) -> Draw:
-    """One draw from ``rng``."""
+def draw_once(
+    rng: random.Random, kernel: str, dtype: torch.dtype, seed: int, fp8_dtype: torch.dtype | None, sinks: bool
+) -> Draw:
+    """One draw from ``rng`` (without sinks, the same draws as before sinks existed)."""
     kv_block_size = rng.choice(BLOCK_SIZES)
     num_reqs = rng.randint(1, 4 if kernel == "write" else 3)
     num_steps = 1 if kernel == "attention" else rng.randint(1, 2 if kernel == "prefill" else 3)
@@ -114,7 +120,8 @@ def draw_once(rng: random.Random, kernel: str, dtype: torch.dtype, seed: int, fp
     slots = (triton.cdiv(max(window, 64) + 16, kv_block_size) + 1) * kv_block_size
     launches = tuple(tuple(draw_rows(rng, kernel, slots) for _ in range(num_reqs)) for _ in range(num_steps))
     total = [sum(step[r] for step in launches) for r in range(num_reqs)]
-    deep = kind != "beyond" and not full_rows and rng.random() < 0.15
+    # near MAX_SEQ_LEN (not with sinks: their history starts at 0)
+    deep = kind != "beyond" and not full_rows and rng.random() < 0.15 and not sinks
     contexts, firsts = [], []
     for r in range(num_reqs):
         if kind == "beyond":
@@ -136,6 +143,11 @@ def draw_once(rng: random.Random, kernel: str, dtype: torch.dtype, seed: int, fp
         firsts.append(max(0, context - (window - 1) - extra) if kind != "beyond" else 0)
     most_rows = max(max(step) for step in launches)
     lookahead = (most_rows if kernel == "attention" else 1) + rng.choice([0, 0, 1, 3])
+    sink_tokens = 0
+    if sinks:
+        # one sink, a whole block of them, or up to three blocks and a bit: within the window; the history from 0
+        sink_tokens = min(window, rng.choice([1, kv_block_size, rng.randint(1, 3 * kv_block_size + 2)]))
+        firsts = [0] * num_reqs
     return Draw(
         kernel=kernel, dtype=dtype, seed=seed, fp8_dtype=fp8_dtype, num_kv_heads=rng.choice([1, 1, 2, 3]),
         group=rng.choice([1, 2, 3, 4, 5, 8, 16, rng.randint(1, 16)]), head_dim=(d := rng.choice(HEAD_DIMS)),
@@ -145,7 +157,7 @@ def draw_once(rng: random.Random, kernel: str, dtype: torch.dtype, seed: int, fp
         full_rows=full_rows, index_dtype=rng.choice(INDEX_DTYPES), slot_dtype=rng.choice(INDEX_DTYPES),
         layout=rng.choice(LAYOUTS), num_splits=rng.choice([None, None, 1, 2, 3, rng.randint(1, MAX_SPLITS)]),
         vllm_slots=rng.random() < 0.5, write_last=rng.random() < 0.7, pad_tokens=rng.choice([0, 1, 3]),
-        spare_blocks=rng.randint(0, 3),
+        spare_blocks=rng.randint(0, 3), sink_tokens=sink_tokens,
     )  # fmt: skip
 
 
@@ -192,26 +204,31 @@ class RingWorld:
     """The rings of one case, the dense history the oracle reads, and the model of the pool.
 
     ``model`` maps a flat slot to the ``(request, position)`` whose row it must hold; every other byte of the pool
-    must be NaN. Slots are computed here from the contract, ``table[(p // bs) mod period] * bs + p mod bs``, and a
-    batch ending at ``end`` stores exactly its positions ``>= end - (W - 1)``: neither comes from ``ring_geometry``.
+    must be NaN. Slots are computed here from the contract, ``table[column(p // bs)] * bs + p mod bs`` with
+    ``column(j) = j mod period`` (or, with sinks, ``j`` for the ``ns`` sink blocks and ``ns + (j - ns) mod period``
+    after them), and a batch ending at ``end`` stores exactly its positions ``>= end - (W - 1)`` and those of the
+    sink blocks: neither comes from ``ring_geometry``.
     """
 
     def __init__(self, d: Draw, device: torch.device) -> None:
         self.d, self.device = d, device
         generator = torch.Generator().manual_seed(d.seed)
         bs, num_reqs = d.kv_block_size, len(d.contexts)
-        self.plan = RingPlan(d.window, bs, d.lookahead)
-        # compact rows hold R columns; a full row over a window past every position is a plain row (never wraps)
+        self.plan = RingPlan(d.window, bs, d.lookahead, d.sink_tokens)
+        self.sink_blocks = triton.cdiv(d.sink_tokens, bs)
+        # compact rows hold R columns after the sink blocks; a full row over a window past every position is a
+        # plain row (never wraps)
         self.ring_blocks = min(self.plan.ring_blocks, self.span_blocks()) if d.full_rows else self.plan.ring_blocks
-        num_blocks = 1 + num_reqs * self.ring_blocks + d.spare_blocks
+        row_blocks = self.sink_blocks + self.ring_blocks
+        num_blocks = 1 + num_reqs * row_blocks + d.spare_blocks
         self.cache_dtype = d.fp8_dtype or d.dtype
         self.storage, self.k_cache, self.v_cache = kv_pool(d.layout, num_blocks, bs, d.num_kv_heads, d.head_dim,
                                                            d.head_dim_v, self.cache_dtype, device)  # fmt: skip
-        # block 0 is the null block (NaN); rings are random distinct blocks, the spare ones stay NaN
-        physical = torch.randperm(num_blocks - 1, generator=generator)[: num_reqs * self.ring_blocks] + 1
-        self.rings = physical.view(num_reqs, self.ring_blocks).tolist()
+        # block 0 is the null block (NaN); rows are random distinct blocks, the spare ones stay NaN
+        physical = torch.randperm(num_blocks - 1, generator=generator)[: num_reqs * row_blocks] + 1
+        self.rings = physical.view(num_reqs, row_blocks).tolist()
         ends = [c + sum(step[r] for step in d.launches) for r, c in enumerate(d.contexts)]
-        self.width = max(triton.cdiv(end, bs) for end in ends) + 2 if d.full_rows else self.ring_blocks
+        self.width = max(triton.cdiv(end, bs) for end in ends) + 2 if d.full_rows else row_blocks
         self.k_hist, self.v_hist = [], []
         for first, end in zip(d.firsts, ends, strict=True):
             shape = (end - first, d.num_kv_heads)
@@ -230,13 +247,15 @@ class RingWorld:
         return max(triton.cdiv(end, self.d.kv_block_size) for end in ends) + 1
 
     def row(self, request: int, lowest: int) -> list[int]:
-        """The block-table row of ``request`` for a launch whose lowest visible position is ``lowest``: compact R
-        columns, or a full logical row with every block wholly before ``lowest`` on the null block 0."""
-        ring = self.rings[request]
+        """The block-table row of ``request`` for a launch whose lowest visible window position is ``lowest``:
+        compact ``ns + R`` columns, or a full logical row with the sink blocks first and every other block wholly
+        before ``lowest`` on the null block 0."""
+        ring, ns = self.rings[request], self.sink_blocks
         if not self.d.full_rows:
             return list(ring)
         dead = lowest // self.d.kv_block_size
-        return [0 if j < dead else ring[j % len(ring)] for j in range(self.width)]
+        return [ring[j] if j < ns else 0 if j < dead else ring[ns + (j - ns) % self.ring_blocks]
+                for j in range(self.width)]  # fmt: skip
 
     def table(self, rows: list[list[int]]) -> tuple[torch.Tensor, int | None]:
         """The launch's block table, a view into a wider table whose guard columns and row point at block 0."""
@@ -251,13 +270,14 @@ class RingWorld:
         return self.width if self.d.full_rows else self.ring_blocks
 
     def slot(self, row: list[int], position: int) -> int:
-        bs = self.d.kv_block_size
-        return row[(position // bs) % self.period] * bs + position % bs
+        bs, ns = self.d.kv_block_size, self.sink_blocks
+        j = position // bs
+        return row[j if j < ns else ns + (j - ns) % self.period] * bs + position % bs
 
     def record(self, request: int, row: list[int], positions: range, end: int) -> None:
         """The model after a write of ``positions`` (in order) by a batch ending at ``end``."""
         for p in positions:
-            if p >= end - (self.d.window - 1):
+            if p >= end - (self.d.window - 1) or p < self.sink_blocks * self.d.kv_block_size:
                 self.model[self.slot(row, p)] = (request, p)
 
     def rows(self, request: int, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,11 +335,12 @@ class RingWorld:
                     )
             raise AssertionError(f"after {after}: the pool's guard padding changed\n{self.d}")
 
-    def poison(self, reads: list[range]) -> None:
-        """NaN into every slot whose position no query of the next launch may read (``reads[r]``)."""
+    def poison(self, reads: list[tuple[range, ...]]) -> None:
+        """NaN into every slot whose position no query of the next launch may read (``reads[r]``: its sinks below
+        the window, its window)."""
         bs = self.d.kv_block_size
         for slot, (request, p) in list(self.model.items()):
-            if p not in reads[request]:
+            if not any(p in read for read in reads[request]):
                 del self.model[slot]
                 self.k_cache[slot // bs, slot % bs] = NAN
                 self.v_cache[slot // bs, slot % bs] = NAN
@@ -384,10 +405,10 @@ class RingWorld:
 def attend(world: RingWorld, lens: tuple[int, ...], contexts: list[int], *, prefill: bool, write: bool) -> None:
     """One attention launch over the world's rings, checked against the oracle and the pool model."""
     d = world.d
-    reads = [range(max(0, c - (d.window - 1)), c) for c in contexts]
-    world.poison(reads)
+    windows = [range(max(0, c - (d.window - 1)), c) for c in contexts]
+    world.poison([(range(min(d.sink_tokens, read.start)), read) for read in windows])
     q, k_new, v_new, spans = world.batch_inputs(lens, contexts)
-    rows = [world.row(r, read.start) for r, read in enumerate(reads)]
+    rows = [world.row(r, read.start) for r, read in enumerate(windows)]
     table, period = world.table(rows)
     idx = d.index_dtype
     starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=idx)
@@ -398,7 +419,7 @@ def attend(world: RingWorld, lens: tuple[int, ...], contexts: list[int], *, pref
     out = torch.full((q.shape[0], q.shape[1], d.head_dim_v), NAN, dtype=d.dtype, device=world.device)
     args = {"q": q.to(world.device), "k_new": k_new.to(world.device), "v_new": v_new.to(world.device),
             "k_cache": world.k_cache, "v_cache": world.v_cache, "batch": batch, "window": d.window,
-            "causal": d.causal, "out": out, **world.scales}  # fmt: skip
+            "causal": d.causal, "sink_tokens": d.sink_tokens, "out": out, **world.scales}  # fmt: skip
     launch = f"ring_attention ({mode.value}) of {lens} at {contexts}"
     if prefill:
         slot_mapping = None
@@ -411,7 +432,7 @@ def attend(world: RingWorld, lens: tuple[int, ...], contexts: list[int], *, pref
         ring_attention(**args, num_splits=d.num_splits)
     num_tokens = sum(lens)
     ref_hi, ref_lo = oracle_pair(q, k_new, v_new, world.oracle_history(), starts, seq_lens, window=d.window,
-                                 causal=d.causal)  # fmt: skip
+                                 causal=d.causal, sink_tokens=d.sink_tokens)  # fmt: skip
     got = out.cpu()
     try:
         assert_attention_close(got[:num_tokens], ref_hi[:num_tokens], ref_lo[:num_tokens], name=launch)

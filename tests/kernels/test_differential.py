@@ -12,7 +12,8 @@ than the ring through ``ring_write`` with ``RingPlan`` slot mappings, or by ``ri
 Before every attention launch each slot no query of it may read is NaN; after every launch the whole pool (guard
 padding included) must be byte for byte what the model says: a write touches exactly its live slots. fp8 rings
 (e4m3fn / e5m2 under bf16 / fp16 compute, random per-case scales) hold ``quantize_fp8`` bytes of the history, and the
-oracle reads the dequantized history: quantization belongs to the input, not to the kernel.
+oracle reads the dequantized history: quantization belongs to the input, not to the kernel. The ``_sinks`` variants
+draw layers with attention sinks (rows ``[sink blocks | ring]``, histories from position 0) from seeds of their own.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.differential import RingWorld, attend, draw
+from tests.kernels.differential import Draw, RingWorld, attend, draw
 from tests.testing import stable_seed
 
 pytestmark = pytest.mark.interpreter
@@ -29,9 +30,11 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # fp8 rings: (compute dtype, cache dtype)
 FP8 = {f"{kv}-{name}": (DTYPES[name], fp8) for kv, fp8 in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2))
        for name in ("bf16", "fp16")}  # fmt: skip
-# cases per (kernel, dtype): (CI, slow); fp8 draws per (kernel, fp8 pair)
-CASES = {"write": (25, 250), "attention": (30, 300), "prefill": (20, 200)}
-FP8_CASES = {"write": (2, 20), "attention": (3, 30), "prefill": (2, 20)}
+# cases per (kernel, dtype): (CI, slow); fp8 draws per (kernel, fp8 pair); "_sinks": layers with attention sinks
+CASES = {"write": (25, 250), "attention": (30, 300), "prefill": (20, 200), "attention_sinks": (4, 40),
+         "prefill_sinks": (3, 30)}  # fmt: skip
+FP8_CASES = {"write": (2, 20), "attention": (3, 30), "prefill": (2, 20), "attention_sinks": (1, 10),
+             "prefill_sinks": (1, 10)}  # fmt: skip
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -74,14 +77,31 @@ def test_write_differential(dtype, fp8_dtype, seed, ci, device):
 
 
 def test_attention_differential(dtype, fp8_dtype, seed, ci, device):
-    d = draw("attention", dtype, seed, ci=ci, fp8_dtype=fp8_dtype)
+    run_attention(draw("attention", dtype, seed, ci=ci, fp8_dtype=fp8_dtype), device)
+
+
+def test_prefill_differential(dtype, fp8_dtype, seed, ci, device):
+    run_prefill(draw("prefill", dtype, seed, ci=ci, fp8_dtype=fp8_dtype), device)
+
+
+def test_attention_sinks_differential(dtype, fp8_dtype, seed, ci, device):
+    run_attention(draw("attention", dtype, seed, ci=ci, fp8_dtype=fp8_dtype, sinks=True), device)
+
+
+def test_prefill_sinks_differential(dtype, fp8_dtype, seed, ci, device):
+    run_prefill(draw("prefill", dtype, seed, ci=ci, fp8_dtype=fp8_dtype, sinks=True), device)
+
+
+def run_attention(d: Draw, device: torch.device) -> None:
+    """The history through ``ring_write``, then one draft-block launch."""
     world = RingWorld(d, device)
     world.write_history()
     attend(world, d.launches[0], list(d.contexts), prefill=False, write=False)
 
 
-def test_prefill_differential(dtype, fp8_dtype, seed, ci, device):
-    d = draw("prefill", dtype, seed, ci=ci, fp8_dtype=fp8_dtype)
+def run_prefill(d: Draw, device: torch.device) -> None:
+    """The history through ``ring_write``, then prefill chunks, each written after reading (the last one maybe
+    not)."""
     world = RingWorld(d, device)
     world.write_history()
     contexts = list(d.contexts)

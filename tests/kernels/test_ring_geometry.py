@@ -7,7 +7,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ringkv.kernels.ring_geometry import PAD_SLOT, RingPlan, first_visible_position
+from ringkv.kernels.ring_geometry import (
+    PAD_SLOT,
+    RingPlan,
+    block_column,
+    first_visible_position,
+    sinks_below_window,
+    visible,
+)
 
 
 @pytest.mark.parametrize(
@@ -72,6 +79,49 @@ def test_full_rows_and_compact_rows_agree():
     assert torch.equal(compact, full)
 
 
+def test_sink_blocks_keep_their_columns():
+    # ns = 2 sink blocks, then a ring of 3 columns: [s0 s1 | r0 r1 r2]
+    columns = [block_column(j, 3, sink_blocks=2) for j in range(9)]
+    assert columns == [0, 1, 2, 3, 4, 2, 3, 4, 2]
+    assert block_column(torch.arange(9), 3, sink_blocks=2).tolist() == columns
+    assert block_column(torch.arange(9), 3).tolist() == [j % 3 for j in range(9)]
+    # a full logical row (period = its width) reads column j with or without sinks
+    assert block_column(torch.arange(9), 9, sink_blocks=2).tolist() == list(range(9))
+
+
+def test_slot_mapping_with_sinks():
+    plan = RingPlan(window=4, kv_block_size=2, lookahead=2, sink_tokens=3)  # ns = 2, R = 3: [s0 s1 | r0 r1 r2]
+    assert (plan.sink_blocks, plan.ring_blocks, plan.row_blocks) == (2, 3, 5)
+    row = torch.tensor([11, 12, 7, 3, 5])
+    positions = torch.arange(-1, 14)
+    # logical blocks 0..6 -> columns 0 1 | 2 3 4 2 3 (blocks 5 and 6 wrap onto r0, r1)
+    everything = [PAD_SLOT, 22, 23, 24, 25, 14, 15, 6, 7, 10, 11, 14, 15, 6, 7]
+    assert plan.slot_mapping(positions, row).tolist() == everything
+    # a batch ending at 14: the sink blocks' positions 0..3 (the 4th is no sink: it shares the block) are never
+    # dead, the others from 14 - 3 = 11 on are live
+    live = plan.slot_mapping(positions, row, seq_len=14).tolist()
+    assert live == [PAD_SLOT, 22, 23, 24, 25] + [PAD_SLOT] * 7 + [15, 6, 7]
+
+
+def test_sink_plans():
+    plan = RingPlan.for_dflash(2048, 16, 7)
+    with_sinks = RingPlan(2048, 16, 8, sink_tokens=4)
+    assert (with_sinks.ring_blocks, with_sinks.sink_blocks, with_sinks.row_blocks) == (130, 1, 131)
+    assert [with_sinks.blocks_for_tokens(n) for n in (0, 1, 16, 17, 2096, 262144)] == [0, 1, 1, 2, 131, 131]
+    assert plan.row_blocks == plan.ring_blocks == 130 and plan.sink_tokens == 0
+    assert RingPlan(2048, 16, 8, sink_tokens=2048).sink_blocks == 128
+    assert [sinks_below_window(q, 10, 4) for q in (0, 9, 10, 12, 13, 100)] == [0, 0, 1, 3, 4, 4]
+
+
+def test_visible_with_sinks():
+    q, k = torch.tensor([[20]]), torch.arange(-1, 25)[None]
+    seen = k[visible(q, k, 5, causal=True, sink_tokens=3)].tolist()
+    assert seen == [0, 1, 2, 16, 17, 18, 19, 20]
+    assert k[visible(q, k, 5, causal=False, sink_tokens=3)].tolist() == [0, 1, 2, *range(16, 25)]
+    # a query before the sinks end sees no later sink when causal
+    assert k[visible(torch.tensor([[1]]), k, 1, causal=True, sink_tokens=3)].tolist() == [0, 1]
+
+
 def test_live_span():
     plan = RingPlan(window=2048, kv_block_size=16, lookahead=8)
     assert plan.live_span(0) == (0, 8)
@@ -93,6 +143,23 @@ def test_live_blocks_map_to_distinct_physical_blocks(window, kv_block_size, look
     assert len({j % plan.ring_blocks for j in logical}) == len(logical)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    window=st.integers(1, 300),
+    kv_block_size=st.integers(1, 40),
+    lookahead=st.integers(1, 40),
+    context_len=st.integers(0, 5000),
+    data=st.data(),
+)
+def test_live_ring_blocks_never_take_a_sink_column(window, kv_block_size, lookahead, context_len, data):
+    plan = RingPlan(window, kv_block_size, lookahead, data.draw(st.integers(1, window), label="sink_tokens"))
+    ns = plan.sink_blocks
+    live = [j for j in plan.live_blocks(context_len) if j >= ns]
+    columns = [block_column(j, plan.ring_blocks, ns) for j in live]
+    assert len(set(columns)) == len(columns) and all(ns <= c < plan.row_blocks for c in columns)
+    assert [block_column(j, plan.ring_blocks, ns) for j in range(ns)] == list(range(ns))
+
+
 class RingSimulator:
     """Tracks which absolute position every ring slot holds, through the slot mappings of ``RingPlan``."""
 
@@ -111,9 +178,10 @@ class RingSimulator:
                 self.stored[s] = (kind, p)
 
     def assert_window_intact(self) -> None:
-        """Every context position the next block's queries can see is in its own slot."""
+        """Every context position the next block's queries can see (its sinks too) is in its own slot."""
         lo = first_visible_position(self.context_len, self.plan.window)
-        pos = torch.arange(lo, self.context_len)
+        sinks = sinks_below_window(self.context_len, self.plan.window, self.plan.sink_tokens)
+        pos = torch.cat([torch.arange(sinks), torch.arange(lo, self.context_len)])
         for p, s in zip(pos.tolist(), self.plan.slot_mapping(pos, self.ring).tolist(), strict=True):
             assert self.stored.get(s) == ("ctx", p), f"position {p} (slot {s}) holds {self.stored.get(s)}"
 
@@ -133,8 +201,26 @@ step = st.one_of(
 )
 def test_random_step_sequences_never_overwrite_a_live_window(window, kv_block_size, lookahead, steps):
     """Prefill chunks of any size (larger than the ring too) and decode blocks with random rejections."""
-    plan = RingPlan(window, kv_block_size, lookahead)
-    ring = torch.randperm(4 * plan.ring_blocks)[: plan.ring_blocks]
+    run_steps(RingPlan(window, kv_block_size, lookahead), steps)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    window=st.integers(1, 200),
+    kv_block_size=st.integers(1, 32),
+    lookahead=st.integers(1, 33),
+    steps=st.lists(step, min_size=1, max_size=25),
+    data=st.data(),
+)
+def test_random_step_sequences_never_overwrite_a_sink(window, kv_block_size, lookahead, steps, data):
+    """The same steps over ``[sink blocks | ring]``: every sink and every live window position stays in its slot."""
+    run_steps(RingPlan(window, kv_block_size, lookahead, data.draw(st.integers(1, window), label="sink_tokens")), steps)
+
+
+def run_steps(plan: RingPlan, steps: list[tuple]) -> None:
+    """``steps`` through a RingSimulator of a random row of ``plan``, the window checked after every write."""
+    lookahead = plan.lookahead
+    ring = torch.randperm(4 * plan.row_blocks)[: plan.row_blocks]
     sim = RingSimulator(plan, ring)
     for action in steps:
         if action[0] == "prefill":
