@@ -6,16 +6,10 @@ block-table row vLLM's position-indexed logical row::
     row entry       null null ... null | ring[j0%R]  ring[(j0+1)%R] ... ring[j%R]
     j0 = first_visible_block(P_min),  P_min = num_tokens_main_model - (la - 1)  (every draft rejected)
 
-With ``sink_tokens`` S (a windowed full-attention drafter layer's sinks) the request's columns are
-``[sink blocks | ring]`` (``ring_geometry.block_column``): logical blocks ``j < ns = cdiv(S, bs)`` keep columns
-``0 .. ns-1``, written once and never null in the row, and ``j >= ns`` cycle over the R ring columns after them::
-
-    logical block   0      ... ns-1      | ns ... j0-1 | j0                  ...  j
-    row entry       sink 0 ... sink ns-1 | null ...    | ring[(j0-ns)%R]     ...  ring[(j-ns)%R]
-
-Admission, pool sizing, per-step prediction and allocation count ``min(cdiv(N, bs), ns + R)`` blocks (``plan_step``).
-The cached ring's hit and hash rules are inherited from ``cached_ring.CachedRing``; how the row and the ring
-evolve: [docs/vllm-plugin.md](../../docs/vllm-plugin.md).
+With sinks the columns are ``[sink blocks | ring]``: entries ``j < ns = cdiv(S, bs)`` are the sink blocks, never
+null, and ``j >= ns`` column ``ns + (j - ns) mod R`` (``ring_geometry.block_column``). Admission, pool sizing,
+per-step prediction and allocation count ``min(cdiv(N, bs), ns + R)`` blocks (``plan_step``). Hit and hash rules:
+``cached_ring.CachedRing``; the row and the ring: [docs/vllm-plugin.md](../../docs/vllm-plugin.md).
 """
 
 from __future__ import annotations
