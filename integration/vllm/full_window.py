@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The opt-in window for a drafter's full-attention layers (``RINGKV_DRAFTER_FULL_WINDOW``): each becomes a ring
-layer of window ``Wf``, so the drafter's KV and attention work stop growing with the context. The drafter only
-proposes tokens, so this changes acceptance, never the output. The rule, its cost and when not to use it:
+layer of window ``Wf`` (plus ``RINGKV_DRAFTER_FULL_SINKS`` sink tokens), so the drafter's KV and attention work stop
+growing with the context. The drafter only proposes tokens, so this changes acceptance, never the output. The
+rule, its cost and when not to use it:
 [docs/vllm-plugin.md](../../docs/vllm-plugin.md#a-window-for-full-attention-drafter-layers).
 """
 
