@@ -45,7 +45,7 @@ class RingStep:
 
 
 class RingSWAManager(CachedRing, SlidingWindowManager):
-    """Allocates each request's ring once and keeps its logical row periodic; never more than R blocks.
+    """Allocates each request's ring once and keeps its logical row periodic; never more than ns + R blocks.
 
     With ``cache_ring`` a prefix hit's cached blocks are adopted at their columns, a hashed or shared block is never
     written (replaced, or its hash dropped, before its column takes the next logical block), and a request's tail
