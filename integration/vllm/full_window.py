@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The opt-in window for a drafter's full-attention layers (``RINGKV_DRAFTER_FULL_WINDOW``): each becomes a ring
-layer of window ``Wf``, so the drafter's KV and attention work stop growing with the context. The drafter only
-proposes tokens, so this changes acceptance, never the output. The rule, its cost and when not to use it:
+layer of window ``Wf`` (plus ``RINGKV_DRAFTER_FULL_SINKS`` sink tokens), so the drafter's KV and attention work stop
+growing with the context. The drafter only proposes tokens, so this changes acceptance, never the output. The
+rule, its cost and when not to use it:
 [docs/vllm-plugin.md](../../docs/vllm-plugin.md#a-window-for-full-attention-drafter-layers).
 """
 
@@ -11,12 +12,15 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ringkv.kernels.ring_geometry import check_sink_tokens
+
 from ._compat import (
     FullAttentionSpec,
     SlidingWindowSpec,
     drafter_layer_names,
     full_attention_as_sliding,
     layer_backend_paths,
+    uses_model_runner_v2,
 )
 from .errors import RingConfigError
 from .names import BACKEND_PATH
@@ -57,21 +61,22 @@ def drafter_full_window_from_env() -> DrafterFullWindow | None:
                 f"full-attention drafter layer; set {WINDOW_ENV} too, or unset {SINKS_ENV}"
             )
         return None
-    if sinks:
+    try:
+        check_sink_tokens(sinks or 0, window)
+    except ValueError as error:
         raise RingConfigError(
-            f"ringkv: {SINKS_ENV}={sinks}: sink tokens are not served yet (neither the ring kernels nor its manager "
-            f"hold sink blocks); unset {SINKS_ENV} (a plain window of {WINDOW_ENV}={window})"
-        )
+            f"ringkv: {SINKS_ENV}={sinks} with {WINDOW_ENV}={window}: {error}; set {SINKS_ENV} <= {WINDOW_ENV}"
+        ) from None
     return DrafterFullWindow(window=window, sinks=sinks or 0)
 
 
-def windowed_drafter_full_layers(worker: Any, specs: dict[str, Any]) -> dict[str, SlidingWindowSpec]:
+def windowed_drafter_full_layers(worker: Any, specs: dict[str, Any]) -> tuple[dict[str, SlidingWindowSpec], int]:
     """With the option set, the drafter's full-attention layers among a worker's ``specs`` as ``SlidingWindowSpec``
-    of ``Wf`` (``planning`` plans them as ring specs); nothing when unset. Refused (``RingConfigError`` naming the
-    fix) where the option cannot take effect as asked."""
+    of ``Wf``, and their sink tokens S (``planning`` plans them as ring specs); nothing when unset. Refused
+    (``RingConfigError`` naming the fix) where the option cannot take effect as asked."""
     option = drafter_full_window_from_env()
     if option is None:
-        return {}
+        return {}, 0
     drafter = drafter_layer_names(worker, specs)
     if not drafter:
         raise RingConfigError(
@@ -97,4 +102,31 @@ def windowed_drafter_full_layers(worker: Any, specs: dict[str, Any]) -> dict[str
             f"ringkv: {WINDOW_ENV}={option.window}, but the drafter's full-attention layers {elsewhere} are not on "
             "the RINGKV backend, which alone serves the window; set speculative_config attention_backend to RINGKV"
         )
-    return {name: full_attention_as_sliding(specs[name], option.window) for name in full}
+    if option.sinks:
+        check_sinks_config(option, worker.vllm_config)
+    return {name: full_attention_as_sliding(specs[name], option.window) for name in full}, option.sinks
+
+
+def check_sinks_config(option: DrafterFullWindow, vllm_config: Any) -> None:
+    """Refuse what sink blocks cannot be served beside: a prefix hit or a connector's load skips the recompute of
+    the sink tokens, and neither puts a ring's sink blocks in a cache; Model Runner V2 was not run with them."""
+    setting = f"{SINKS_ENV}={option.sinks}"
+    if vllm_config is not None and uses_model_runner_v2(vllm_config):
+        raise RingConfigError(
+            f"ringkv: {setting} on Model Runner V2: sink blocks are served and tested on vLLM's V1 model runner only "
+            f"(vLLM 0.32 / 0.33 without VLLM_USE_V2_MODEL_RUNNER=1); run V1, or unset {SINKS_ENV}"
+        )
+    cache = getattr(vllm_config, "cache_config", None)
+    if cache is not None and getattr(cache, "enable_prefix_caching", False):
+        raise RingConfigError(
+            f"ringkv: {setting} with prefix caching on: a prefix hit would skip the sink tokens' K/V, which the ring's "
+            f"sink blocks do not keep in the prefix cache yet. Start vLLM with --no-enable-prefix-caching, or unset "
+            f"{SINKS_ENV} (a plain window of {WINDOW_ENV}={option.window}, which takes prefix hits)"
+        )
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is not None and getattr(transfer, "kv_connector", None) is not None:
+        raise RingConfigError(
+            f"ringkv: {setting} with the KV connector {transfer.kv_connector}: a loaded prefix would skip the sink "
+            f"tokens' K/V, which no connector moves. Remove --kv-transfer-config / --kv-offloading-size, or unset "
+            f"{SINKS_ENV}"
+        )

@@ -109,7 +109,7 @@ class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
         # write-after-read: the chunk's first queries need the history its rows may replace
         ring_attention(
             q, k, v, k_cache, v_cache, md.batch, window=self.served_window(md), causal=md.causal, scale=self.scale,
-            out=output[:n].view(n, self.num_heads, -1), write_ring=md.write_ring,
+            sink_tokens=md.sink_tokens, out=output[:n].view(n, self.num_heads, -1), write_ring=md.write_ring,
             slot_mapping=md.slot_mapping if md.write_ring else None, workspace=md.workspace, **scales,
         )  # fmt: skip
         return output

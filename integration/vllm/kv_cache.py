@@ -6,9 +6,10 @@ block-table row vLLM's position-indexed logical row::
     row entry       null null ... null | ring[j0%R]  ring[(j0+1)%R] ... ring[j%R]
     j0 = first_visible_block(P_min),  P_min = num_tokens_main_model - (la - 1)  (every draft rejected)
 
-Admission, pool sizing, per-step prediction and allocation count ``min(cdiv(N, bs), R)`` blocks (``plan_step``).
-The cached ring's hit and hash rules are inherited from ``cached_ring.CachedRing``; how the row and the ring
-evolve: [docs/vllm-plugin.md](../../docs/vllm-plugin.md).
+With sinks the columns are ``[sink blocks | ring]``: entries ``j < ns = cdiv(S, bs)`` are the sink blocks, never
+null, and ``j >= ns`` column ``ns + (j - ns) mod R`` (``ring_geometry.block_column``). Admission, pool sizing,
+per-step prediction and allocation count ``min(cdiv(N, bs), ns + R)`` blocks (``plan_step``). Hit and hash rules:
+``cached_ring.CachedRing``; the row and the ring: [docs/vllm-plugin.md](../../docs/vllm-plugin.md).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class RingStep:
 
 
 class RingSWAManager(CachedRing, SlidingWindowManager):
-    """Allocates each request's ring once and keeps its logical row periodic; never more than R blocks.
+    """Allocates each request's ring once and keeps its logical row periodic; never more than ns + R blocks.
 
     With ``cache_ring`` a prefix hit's cached blocks are adopted at their columns, a hashed or shared block is never
     written (replaced, or its hash dropped, before its column takes the next logical block), and a request's tail
@@ -59,11 +60,12 @@ class RingSWAManager(CachedRing, SlidingWindowManager):
         self.plan = kv_cache_spec.plan  # refuses an unplanned spec before anything is built
         super().__init__(kv_cache_spec, **kwargs)
         self.ring_blocks = self.plan.ring_blocks
+        self.sink_blocks = self.plan.sink_blocks
         self.rings: dict[str, RequestRing] = {}
         self.drafter_skips = DrafterSkipGuard()
 
     def ring_size(self, num_tokens: int) -> int:
-        """Physical blocks a request with ``num_tokens`` slots holds: ``min(cdiv(N, bs), R)``."""
+        """Physical blocks a request with ``num_tokens`` slots holds: ``min(cdiv(N, bs), ns + R)``."""
         return self.plan.blocks_for_tokens(num_tokens)
 
     def check_lookahead(self, num_tokens: int, num_tokens_main_model: int) -> None:
@@ -78,8 +80,17 @@ class RingSWAManager(CachedRing, SlidingWindowManager):
             )
 
     def first_live_block(self, num_tokens_main_model: int) -> int:
-        """Logical blocks below this are wholly before any window this step's queries can have."""
+        """Logical blocks below this are wholly before any window this step's queries can have (the sink blocks
+        aside: ``dead``)."""
         return self.plan.first_visible_block(max(0, num_tokens_main_model - (self.plan.lookahead - 1)))
+
+    def dead(self, logical_block: int, first_live: int) -> bool:
+        """Whether ``logical_block`` is null in the row: below ``first_live`` and no sink block."""
+        return self.sink_blocks <= logical_block < first_live
+
+    def column(self, logical_block: int) -> int:
+        """The request's column holding ``logical_block``: ``[sink blocks | ring]`` (``ring_geometry.block_column``)."""
+        return block_column(logical_block, self.ring_blocks, self.sink_blocks)
 
     def plan_step(
         self,
@@ -93,7 +104,7 @@ class RingSWAManager(CachedRing, SlidingWindowManager):
         request also holds replaces it (a block held by this request alone is written in place, its hash dropped);
         ``hit``: the prefix hit this first allocation adopts."""
         ring = self.rings.get(request_id) or RequestRing()
-        adopted = {block_column(j, self.ring_blocks): block for j, block in enumerate(hit) if not block.is_null}
+        adopted = {self.column(j): block for j, block in enumerate(hit) if not block.is_null}
 
         def occupant(column: int) -> KVCacheBlock | None:
             held = ring.occupant(column)
@@ -104,16 +115,22 @@ class RingSWAManager(CachedRing, SlidingWindowManager):
             return ring.shared(column) if ring.occupant(column) is not None else adopted[column].ref_cnt > 0
 
         end = self.plan.logical_blocks(num_tokens)
-        unclaimed = tuple(column for column in range(min(end, self.ring_blocks)) if occupant(column) is None)
-        start = max(len(self.req_to_blocks.get(request_id, ())), len(hit), self.first_live_block(num_tokens_main_model))
-        written = range(self.ring_blocks) if end - start >= self.ring_blocks else [
-            block_column(j, self.ring_blocks) for j in range(start, end)
-        ]  # fmt: skip
+        unclaimed = tuple(column for column in range(min(end, self.plan.row_blocks)) if occupant(column) is None)
+        start = max(len(self.req_to_blocks.get(request_id, ())), len(hit))
+        written = self.written_columns(start, end, self.first_live_block(num_tokens_main_model))
         # every allocation of every running request asks this: set membership, not a scan of the unclaimed
         fresh = set(unclaimed)
         shared_columns = tuple(column for column in written if column not in fresh and shared(column))
         adopted_free = sum(block.ref_cnt == 0 for block in adopted.values())
         return RingStep(unclaimed_columns=unclaimed, shared_columns=shared_columns, adopted_free=adopted_free)
+
+    def written_columns(self, start: int, end: int, first_live: int) -> list[int]:
+        """The columns the logical blocks ``start .. end - 1`` not ``dead`` are written to."""
+        sinks = range(start, min(end, self.sink_blocks))
+        ring_start = max(start, first_live, self.sink_blocks)
+        if end - ring_start >= self.ring_blocks:
+            return [*sinks, *range(self.sink_blocks, self.plan.row_blocks)]
+        return [self.column(j) for j in [*sinks, *range(ring_start, end)]]
 
     def get_num_blocks_to_allocate(
         self,
@@ -152,10 +169,10 @@ class RingSWAManager(CachedRing, SlidingWindowManager):
         first_live = self.first_live_block(num_tokens_main_model)
         start = len(row)
         for j in range(start, self.plan.logical_blocks(num_tokens)):
-            if j < first_live:
+            if self.dead(j, first_live):
                 row.append(self.block_pool.null_block)
                 continue
-            column = block_column(j, self.ring_blocks)
+            column = self.column(j)
             block = ring.occupant(column)
             assert block is not None, f"column {column} of request {request_id} was never claimed"
             # the column stops holding its logical block (never hashed under it again; the row keeps naming it there,
@@ -197,7 +214,7 @@ class RingSWAManager(CachedRing, SlidingWindowManager):
         ring = self.rings.setdefault(request_id, RequestRing())
         for j, block in enumerate(hit):
             if not block.is_null:
-                ring.adopt(j, block_column(j, self.ring_blocks), block)
+                ring.adopt(j, self.column(j), block)
         row.extend(hit)
 
     def cache_blocks(self, request: Any, num_tokens: int, retention_interval: int | None = None, **kwargs: Any) -> None:

@@ -26,7 +26,7 @@ from ._compat import (
 )
 from .backend_step import vllm_batch
 from .host_sync import forbid_during_capture
-from .ring_spec import ring_window
+from .ring_spec import ring_sink_tokens, ring_window
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class RingAttentionMetadata:
     workspace: SplitWorkspace | None = None
     # the ring group's window (its spec's): a full-attention drafter layer windowed by the plugin attends over it
     window: int | None = None
+    # the ring group's sink tokens (its spec's): keys 0 .. sink_tokens - 1 its layers see besides the window
+    sink_tokens: int = 0
 
     @functools.cached_property
     def batch(self) -> VarlenBatch:
@@ -80,6 +82,7 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
         # one per builder: vLLM gives each micro-batch builders of its own, and the group's layers run in order
         self.workspace = SplitWorkspace()
         self.window = ring_window(kv_cache_spec)
+        self.sink_tokens = ring_sink_tokens(kv_cache_spec)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -115,4 +118,5 @@ class RingKVMetadataBuilder(AttentionMetadataBuilder[RingAttentionMetadata]):
             write_ring=write_ring,
             workspace=self.workspace,
             window=self.window,
+            sink_tokens=self.sink_tokens,
         )

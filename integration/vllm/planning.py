@@ -110,28 +110,28 @@ def cpu_sliding_ring_on() -> bool:
         return False
 
 
-def plan_ring_spec(spec: Any, vllm_config: VllmConfig | None) -> Any:
+def plan_ring_spec(spec: Any, vllm_config: VllmConfig | None, sink_tokens: int = 0) -> Any:
     """A ``SlidingWindowSpec`` on the ring backend -> its ``RingSWASpec``, planned with ``vllm_config``'s lookahead,
-    the drafter's max length and its runner's skip rule (unplanned without a config: a page-size probe), once the
-    configuration passes ``check_ring_config``."""
+    the drafter's max length and its runner's skip rule (unplanned without a config: a page-size probe), and
+    ``sink_tokens`` (a windowed full-attention drafter layer's), once the configuration passes ``check_ring_config``."""
     if vllm_config is not None:
         check_ring_config(vllm_config)
     return to_ring_spec(spec, lookahead_from_config(vllm_config), drafter_max_len_from_config(vllm_config),
-                        drafter_skips_from_config(vllm_config))  # fmt: skip
+                        drafter_skips_from_config(vllm_config), sink_tokens)  # fmt: skip
 
 
 def wrap_get_kv_cache_spec(original: Callable[..., Any]) -> Callable[..., Any]:
     """A worker's spec collection (``Worker.get_kv_cache_spec``) run inside the worker's ``vllm_config``; with
-    ``RINGKV_DRAFTER_FULL_WINDOW`` set, the drafter's full-attention layers come back as ring specs
-    (``full_window.py``)."""
+    ``RINGKV_DRAFTER_FULL_WINDOW`` set, the drafter's full-attention layers come back as ring specs, with
+    ``RINGKV_DRAFTER_FULL_SINKS``'s sink tokens (``full_window.py``)."""
 
     def get_kv_cache_spec(self: Any, *args: Any, **kwargs: Any) -> Any:
         token = _collecting_worker_specs.set(True)
         try:
             with set_current_vllm_config(self.vllm_config):
                 specs = original(self, *args, **kwargs)
-                windowed = windowed_drafter_full_layers(self, specs)
-                return {name: plan_ring_spec(spec, self.vllm_config) if name in windowed else spec
+                windowed, sink_tokens = windowed_drafter_full_layers(self, specs)
+                return {name: plan_ring_spec(spec, self.vllm_config, sink_tokens) if name in windowed else spec
                         for name, spec in {**specs, **windowed}.items()}  # fmt: skip
         finally:
             _collecting_worker_specs.reset(token)

@@ -33,6 +33,9 @@ class RingSWASpec(SlidingWindowSpec):
     # the model runner skips the drafter, and its context K/V store, for a batch within the lookahead of that length
     # (V1's rule); Model Runner V2 has no such skip: it stores the context K/V and clamps the queries instead
     drafter_skips_near_max_len: bool = field(default=True)
+    # attention sinks of a windowed full-attention drafter layer (``full_window.py``): keys 0 .. sink_tokens - 1 every
+    # query sees besides its window, in cdiv(sink_tokens, bs) blocks the request holds beside its ring
+    sink_tokens: int = field(default=0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -44,7 +47,7 @@ class RingSWASpec(SlidingWindowSpec):
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
             raise ValueError(f"lookahead={self.lookahead!r} must be an int >= 0 (0 = not planned yet)")
         if self.lookahead != UNPLANNED:
-            RingPlan(self.sliding_window, self.block_size, self.lookahead)
+            RingPlan(self.sliding_window, self.block_size, self.lookahead, self.sink_tokens)
 
     @property
     def plan(self) -> RingPlan:
@@ -54,7 +57,8 @@ class RingSWASpec(SlidingWindowSpec):
                 "outside vLLM's config scope), so its ring size is unknown; register the plugin "
                 "(ringkv.integration.vllm.register) before vLLM builds its workers"
             )
-        return RingPlan(window=self.sliding_window, kv_block_size=self.block_size, lookahead=self.lookahead)
+        return RingPlan(window=self.sliding_window, kv_block_size=self.block_size, lookahead=self.lookahead,
+                        sink_tokens=self.sink_tokens)  # fmt: skip
 
     @property
     def ring_blocks(self) -> int:
@@ -68,7 +72,7 @@ class RingSWASpec(SlidingWindowSpec):
         return self.cache_ring
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
-        """R (capped by the blocks a max_model_len request would hold), whatever is in flight."""
+        """The sink blocks and R (capped by the blocks a max_model_len request would hold), whatever is in flight."""
         del max_in_flight_tokens
         return self.plan.blocks_for_tokens(max_model_len)
 
@@ -97,26 +101,42 @@ def is_ring_spec(spec: Any) -> bool:
     )
 
 
+def _ring_layer_specs(spec: Any) -> list[RingSWASpec]:
+    layers = getattr(spec, "kv_cache_specs", None)
+    specs = list(layers.values()) if isinstance(layers, dict) else [spec]
+    return [layer for layer in specs if isinstance(layer, RingSWASpec)]
+
+
+def _group_value(spec: Any, attribute: str) -> int | None:
+    values = {getattr(layer, attribute) for layer in _ring_layer_specs(spec)}
+    if len(values) > 1:
+        raise RingConfigError(f"ringkv: one KV-cache group holds ring layers of {attribute} {sorted(values)}")
+    return values.pop() if values else None
+
+
 def ring_window(spec: Any) -> int | None:
     """The window a ring group's layers attend over: a ``RingSWASpec``'s, or the one window of vLLM's
     ``UniformTypeKVCacheSpecs`` of them; None for any other spec (a layer keeps its own window)."""
-    layers = getattr(spec, "kv_cache_specs", None)
-    specs = list(layers.values()) if isinstance(layers, dict) else [spec]
-    windows = {layer.sliding_window for layer in specs if isinstance(layer, RingSWASpec)}
-    if len(windows) > 1:
-        raise RingConfigError(f"ringkv: one KV-cache group holds ring layers of windows {sorted(windows)}")
-    return windows.pop() if windows else None
+    return _group_value(spec, "sliding_window")
 
 
-def to_ring_spec(spec: Any, lookahead: int, drafter_max_len: int = 0, drafter_skips_near_max_len: bool = True) -> Any:
-    """Turn a ``SlidingWindowSpec`` into a ``RingSWASpec`` planned for ``lookahead`` (and the drafter's max length and
-    skip rule), its ``cache_ring`` from ``ring_prefix_cache_enabled()`` (other specs pass through; a ring spec is
-    re-planned only while unplanned)."""
+def ring_sink_tokens(spec: Any) -> int:
+    """The sink tokens of a ring group's layers (as ``ring_window`` finds them); 0 for any other spec."""
+    return _group_value(spec, "sink_tokens") or 0
+
+
+def to_ring_spec(
+    spec: Any, lookahead: int, drafter_max_len: int = 0, drafter_skips_near_max_len: bool = True, sink_tokens: int = 0
+) -> Any:
+    """Turn a ``SlidingWindowSpec`` into a ``RingSWASpec`` planned for ``lookahead`` (and the drafter's max length,
+    skip rule and ``sink_tokens``), its ``cache_ring`` from ``ring_prefix_cache_enabled()`` (other specs pass
+    through; a ring spec is re-planned only while unplanned, keeping its sinks)."""
     if isinstance(spec, RingSWASpec):
         if spec.lookahead != UNPLANNED or lookahead == UNPLANNED:
             return spec
+        sink_tokens = spec.sink_tokens
     elif not isinstance(spec, SlidingWindowSpec):
         return spec
     return replace_as(spec, RingSWASpec, lookahead=lookahead, cache_ring=ring_prefix_cache_enabled(),
-                      drafter_max_len=drafter_max_len,
-                      drafter_skips_near_max_len=drafter_skips_near_max_len)  # fmt: skip
+                      drafter_max_len=drafter_max_len, drafter_skips_near_max_len=drafter_skips_near_max_len,
+                      sink_tokens=sink_tokens)  # fmt: skip

