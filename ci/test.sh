@@ -8,6 +8,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 now() { date +%s.%N; }
 seconds() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
+# one thread per process: the suite's two workers, the engine processes they start and the smoke's share two cores,
+# and the tiny models gain nothing from a second OpenMP thread or inductor compile worker (it only oversubscribes)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
 start=$(now)
 smoke_log=$(mktemp)
 bash ci/v2_smoke.sh >"$smoke_log" 2>&1 &
