@@ -1,0 +1,154 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The recall target (``recall_target``) and a DFlash drafter trained to recall with it, for vLLM's engine.
+
+The drafter (vLLM's ``DFlashDraftModel`` format, every layer full attention, non-causal block) reads the target's
+residual after its induction layer, which holds each position's token and the tokens 1..n before it. To draft
+position ``k`` after an anchor it must find the context position whose token ``k`` back is the anchor (the source
+of the segment being copied, about half the context back) and copy its token: possible only while its attention
+reaches that far. It is trained on ``recall_batch`` sequences whose source lies up to ``MAX_RECALL_DISTANCE``
+positions back: the context's positions jump by a random gap after the source (RoPE sees distances only, and the
+target's features are local), so distances of thousands cost the training no more than hundreds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from ringkv.dflash2.config import FULL, DFlashConfig, parse_config
+from ringkv.dflash2.model import DFlash2Drafter
+
+from .engine_models import EngineModels, reuse_or_build
+from .recall_target import RecallLayout, RecallTargetSpec, build_recall_target, recall_batch
+
+# the residual after the induction layer (layer 1): E, P1..Pn and C (``recall_target``)
+TARGET_LAYER_IDS = (1,)
+MAX_RECALL_DISTANCE = 4800
+
+
+@dataclass(frozen=True)
+class RecallModelSpec:
+    target: RecallTargetSpec = field(default_factory=RecallTargetSpec)
+    drafter_layers: int = 2
+    drafter_q_heads: int = 4
+    drafter_kv_heads: int = 2
+    draft_block: int = 4  # num_speculative_tokens + 1
+    train_steps: int = 1200
+    batch: int = 16
+    learning_rate: float = 3e-3
+    seed: int = 0
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.draft_block - 1
+
+
+def recall_drafter_config(spec: RecallModelSpec) -> DFlashConfig:
+    target = spec.target
+    raw = {
+        "architectures": ["DFlashDraftModel"], "hidden_size": target.hidden_size,
+        "intermediate_size": 2 * target.hidden_size, "num_hidden_layers": spec.drafter_layers,
+        "num_attention_heads": spec.drafter_q_heads, "num_key_value_heads": spec.drafter_kv_heads,
+        "head_dim": target.head_dim, "vocab_size": target.vocab_size, "rms_norm_eps": 1e-6,
+        "rope_theta": target.rope_theta, "max_position_embeddings": target.max_positions, "is_causal": False,
+        "layer_types": [FULL] * spec.drafter_layers,
+        "dflash_config": {"block_size": spec.draft_block, "target_layer_ids": list(TARGET_LAYER_IDS),
+                          "mask_token_id": target.vocab_size - 1},
+    }  # fmt: skip
+    return parse_config(raw, source="RecallModelSpec")
+
+
+class _FullAttentionBatch:
+    """A training ``DraftKVStore``: N examples with one context length; every query sees every context key and
+    every key of its own block (full attention, non-causal block)."""
+
+    def __init__(self, num_examples: int, context: int) -> None:
+        self.n, self.context = num_examples, context
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def write(self, layer: int, request: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v: [N * P, Hkv, D] -> [N, P, Hkv, D]
+        self.kv[layer] = (k.view(self.n, self.context, *k.shape[1:]), v.view(self.n, self.context, *v.shape[1:]))
+
+    def attend(self, layer, q, k_new, v_new, blocks) -> torch.Tensor:
+        block = blocks.block
+        k_ctx, v_ctx = self.kv[layer]
+        # SDPA layout [N, H, L, D]
+        keys = torch.cat([k_ctx, k_new.view(self.n, block, *k_new.shape[1:])], 1).transpose(1, 2)
+        values = torch.cat([v_ctx, v_new.view(self.n, block, *v_new.shape[1:])], 1).transpose(1, 2)
+        queries = q.view(self.n, block, *q.shape[1:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(queries, keys, values, enable_gqa=True)
+        return out.transpose(1, 2).reshape(q.shape)
+
+
+def _random_layout(spec: RecallModelSpec, generator: torch.Generator) -> tuple[RecallLayout, int, int]:
+    """A training layout, the copy's progress (segment tokens already repeated) and the position gap."""
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (1,), generator=generator))
+
+    segment = 48
+    repeated = draw(1, segment - spec.draft_block)
+    layout = RecallLayout(before=draw(0, 64), segment=segment, between=draw(0, 192), repeated=repeated)
+    gap = draw(0, MAX_RECALL_DISTANCE - layout.recall_distance)
+    return layout, repeated, gap
+
+
+def train_recall_drafter(spec: RecallModelSpec, target) -> tuple[DFlash2Drafter, list[float]]:
+    """Train a fresh drafter on recall sequences; returns it and its token accuracy per draft position over the
+    last 50 steps."""
+    config = recall_drafter_config(spec)
+    torch.manual_seed(spec.seed)
+    drafter = DFlash2Drafter(config, target_hidden_size=spec.target.hidden_size)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=spec.learning_rate)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, spec.learning_rate, total_steps=spec.train_steps)
+    generator = torch.Generator().manual_seed(spec.seed)
+    block, n = spec.draft_block, spec.batch
+    correct = torch.zeros(block - 1)
+    for step in range(spec.train_steps):
+        layout, repeated, gap = _random_layout(spec, generator)
+        tokens, segments = recall_batch(spec.target, layout, n, generator)
+        # the repeat's last token is the anchor: the context ends before it
+        context = layout.length - 1
+        with torch.no_grad():
+            states = target(tokens[:, :context], output_hidden_states=True).hidden_states
+            features = torch.cat([states[i + 1] for i in TARGET_LAYER_IDS], -1)
+        positions = torch.arange(context)
+        positions[layout.before + layout.segment :] += gap
+        store = _FullAttentionBatch(n, context)
+        drafter.write_context(store, 0, features.reshape(n * context, -1), positions.repeat(n))
+        query = torch.full((n, block), config.mask_token_id)
+        query[:, 0] = tokens[:, context]
+        hidden = drafter.forward_block(store, embed(query.flatten()).detach(), [context + gap] * n, block)
+        logits = head(hidden.view(n, block, -1)[:, 1:])
+        labels = segments[:, repeated : repeated + block - 1]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step >= spec.train_steps - 50:
+            correct += (logits.argmax(-1) == labels).float().mean(0)
+    return drafter.eval(), (correct / min(50, spec.train_steps)).tolist()
+
+
+def build_recall_models(folder: str | Path, spec: RecallModelSpec | None = None) -> EngineModels:
+    """Build (or reuse, when ``folder`` holds the same spec) the recall target and its drafter; the returned
+    ``train_accuracy`` is the drafter's mean accuracy over its draft positions (per position:
+    ``folder/train_accuracy.json``)."""
+    spec = spec or RecallModelSpec()
+    folder = Path(folder)
+
+    def build() -> float:
+        target = build_recall_target(spec.target, folder / "target")
+        drafter, per_position = train_recall_drafter(spec, target)
+        # no embeddings or head in the checkpoint: vLLM's DFlash drafter shares the target's
+        drafter.save_pretrained(folder / "drafter")
+        (folder / "train_accuracy.json").write_text(json.dumps(per_position))
+        return sum(per_position) / len(per_position)
+
+    return reuse_or_build(folder, "recall_models.json", spec, spec, build)
