@@ -13,6 +13,7 @@ target's features are local), so distances of thousands cost the training no mor
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from .recall_target import RecallLayout, RecallTargetSpec, build_recall_target, 
 # the residual after the induction layer (layer 1): E, P1..Pn and C (``recall_target``)
 TARGET_LAYER_IDS = (1,)
 MAX_RECALL_DISTANCE = 4800
+TRAIN_RECORD = "train_record.json"
 
 
 @dataclass(frozen=True)
@@ -138,17 +140,19 @@ def train_recall_drafter(spec: RecallModelSpec, target) -> tuple[DFlash2Drafter,
 
 def build_recall_models(folder: str | Path, spec: RecallModelSpec | None = None) -> EngineModels:
     """Build (or reuse, when ``folder`` holds the same spec) the recall target and its drafter; the returned
-    ``train_accuracy`` is the drafter's mean accuracy over its draft positions (per position:
-    ``folder/train_accuracy.json``)."""
+    ``train_accuracy`` is the drafter's mean accuracy over its draft positions (per position, and the build's
+    seconds: ``folder/TRAIN_RECORD``)."""
     spec = spec or RecallModelSpec()
     folder = Path(folder)
 
     def build() -> float:
+        start = time.perf_counter()
         target = build_recall_target(spec.target, folder / "target")
         drafter, per_position = train_recall_drafter(spec, target)
         # no embeddings or head in the checkpoint: vLLM's DFlash drafter shares the target's
         drafter.save_pretrained(folder / "drafter")
-        (folder / "train_accuracy.json").write_text(json.dumps(per_position))
+        record = {"accuracy_per_position": per_position, "seconds": time.perf_counter() - start}
+        (folder / TRAIN_RECORD).write_text(json.dumps(record))
         return sum(per_position) / len(per_position)
 
     return reuse_or_build(folder, "recall_models.json", spec, spec, build)
