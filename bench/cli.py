@@ -32,7 +32,7 @@ from .commands import admission, demo, e2e
 from .compile_report import compile_report
 from .fp8_acceptance import fp8_acceptance
 from .load_options import MODE_NAMES, WORKLOAD_NAMES, LoadOptions
-from .recall_acceptance import recall_acceptance
+from .recall import recall_acceptance
 
 bench = typer.Typer(help="Benchmarks: CPU figures with vLLM's scheduling code.", no_args_is_help=True)
 
