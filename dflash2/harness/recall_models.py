@@ -7,7 +7,8 @@ position ``k`` after an anchor it must find the context position whose token ``k
 of the segment being copied, about half the context back) and copy its token: possible only while its attention
 reaches that far. It is trained on ``recall_batch`` sequences whose source lies up to ``MAX_RECALL_DISTANCE``
 positions back: the context's positions jump by a random gap after the source (RoPE sees distances only, and the
-target's features are local), so distances of thousands cost the training no more than hundreds.
+features the drafter reads are local but for ``C``), so distances of thousands cost the training no more than
+hundreds; the target runs once, over a bank of sequences each cut at many points.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .recall_target import RecallLayout, RecallTargetSpec, build_recall_target, 
 # the residual after the induction layer (layer 1): E, P1..Pn and C (``recall_target``)
 TARGET_LAYER_IDS = (1,)
 MAX_RECALL_DISTANCE = 4800
+SEGMENT = 48
 TRAIN_RECORD = "train_record.json"
 
 
@@ -36,10 +38,12 @@ class RecallModelSpec:
     target: RecallTargetSpec = field(default_factory=RecallTargetSpec)
     drafter_layers: int = 2
     drafter_q_heads: int = 4
-    drafter_kv_heads: int = 2
+    # as many KV heads as the target: one page size for every KV group (vLLM's hybrid allocator)
+    drafter_kv_heads: int = 4
     draft_block: int = 4  # num_speculative_tokens + 1
-    train_steps: int = 1200
+    train_steps: int = 500
     batch: int = 16
+    bank_groups: int = 32
     learning_rate: float = 3e-3
     seed: int = 0
 
@@ -86,22 +90,42 @@ class _FullAttentionBatch:
         return out.transpose(1, 2).reshape(q.shape)
 
 
-def _random_layout(spec: RecallModelSpec, generator: torch.Generator) -> tuple[RecallLayout, int, int]:
-    """A training layout, the copy's progress (segment tokens already repeated) and the position gap."""
+@dataclass(frozen=True)
+class _Group:
+    """Sequences of one layout whose segment is repeated whole, and the target's features for them: a training
+    example cuts one at any point of its repeat (the features of a prefix are the prefix of the features)."""
+
+    layout: RecallLayout
+    tokens: torch.Tensor  # [n, length]
+    segments: torch.Tensor  # [n, segment]
+    features: torch.Tensor  # [n, length, features]
+
+
+def _feature_bank(spec: RecallModelSpec, target, generator: torch.Generator) -> list[_Group]:
+    """``bank_groups`` layouts with random filler before (0..32) and between (0..96; a quarter of them 256..1024,
+    with fewer sequences, so some examples see many distracting keys) the segment and its whole repeat."""
 
     def draw(low: int, high: int) -> int:
         return int(torch.randint(low, high + 1, (1,), generator=generator))
 
-    segment = 48
-    repeated = draw(1, segment - spec.draft_block)
-    layout = RecallLayout(before=draw(0, 64), segment=segment, between=draw(0, 192), repeated=repeated)
-    gap = draw(0, MAX_RECALL_DISTANCE - layout.recall_distance)
-    return layout, repeated, gap
+    groups = []
+    for index in range(spec.bank_groups):
+        long = index % 4 == 3
+        between = draw(256, 1024) if long else draw(0, 96)
+        layout = RecallLayout(before=draw(0, 32), segment=SEGMENT, between=between, repeated=SEGMENT)
+        tokens, segments = recall_batch(spec.target, layout, spec.batch // 4 if long else spec.batch, generator)
+        with torch.no_grad():
+            states = target(tokens, output_hidden_states=True).hidden_states
+        features = torch.cat([states[i + 1] for i in TARGET_LAYER_IDS], -1)
+        groups.append(_Group(layout, tokens, segments, features))
+    return groups
 
 
 def train_recall_drafter(spec: RecallModelSpec, target) -> tuple[DFlash2Drafter, list[float]]:
-    """Train a fresh drafter on recall sequences; returns it and its token accuracy per draft position over the
-    last 50 steps."""
+    """Train a fresh drafter on recall sequences (``_feature_bank``), each step one group cut after ``r`` repeated
+    tokens, its context positions jumping by a random gap after the source so that the recall distance spans
+    ``SEGMENT .. MAX_RECALL_DISTANCE``; returns the drafter and its token accuracy per draft position over the last
+    50 steps."""
     config = recall_drafter_config(spec)
     torch.manual_seed(spec.seed)
     drafter = DFlash2Drafter(config, target_hidden_size=spec.target.hidden_size)
@@ -109,25 +133,26 @@ def train_recall_drafter(spec: RecallModelSpec, target) -> tuple[DFlash2Drafter,
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=spec.learning_rate)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, spec.learning_rate, total_steps=spec.train_steps)
     generator = torch.Generator().manual_seed(spec.seed)
-    block, n = spec.draft_block, spec.batch
+    bank = _feature_bank(spec, target, generator)
+    block = spec.draft_block
     correct = torch.zeros(block - 1)
     for step in range(spec.train_steps):
-        layout, repeated, gap = _random_layout(spec, generator)
-        tokens, segments = recall_batch(spec.target, layout, n, generator)
-        # the repeat's last token is the anchor: the context ends before it
-        context = layout.length - 1
-        with torch.no_grad():
-            states = target(tokens[:, :context], output_hidden_states=True).hidden_states
-            features = torch.cat([states[i + 1] for i in TARGET_LAYER_IDS], -1)
+        group = bank[int(torch.randint(len(bank), (1,), generator=generator))]
+        layout, n = group.layout, group.tokens.shape[0]
+        # r segment tokens repeated: the last is the anchor, the context ends before it
+        r = int(torch.randint(1, SEGMENT - block + 2, (1,), generator=generator))
+        context = layout.before + layout.segment + layout.between + r - 1
+        gap = int(torch.randint(0, MAX_RECALL_DISTANCE - layout.recall_distance + 1, (1,), generator=generator))
         positions = torch.arange(context)
         positions[layout.before + layout.segment :] += gap
         store = _FullAttentionBatch(n, context)
-        drafter.write_context(store, 0, features.reshape(n * context, -1), positions.repeat(n))
+        rows = group.features[:, :context].reshape(n * context, -1)
+        drafter.write_context(store, 0, rows, positions.repeat(n))
         query = torch.full((n, block), config.mask_token_id)
-        query[:, 0] = tokens[:, context]
+        query[:, 0] = group.tokens[:, context]
         hidden = drafter.forward_block(store, embed(query.flatten()).detach(), [context + gap] * n, block)
         logits = head(hidden.view(n, block, -1)[:, 1:])
-        labels = segments[:, repeated : repeated + block - 1]
+        labels = group.segments[:, r : r + block - 1]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         optimizer.zero_grad()
         loss.backward()
