@@ -74,7 +74,7 @@ def markdown(rows: list[dict[str, Any]], missing: list[Cell], train: dict[str, A
         "",
     ]
     if missing:
-        lines += ["Not run (the time allotted to the measurement ran out): "
+        lines += ["Not run (no row for them): "
                   + "; ".join(f"{cell.context:,} tokens: {cell.label}" for cell in missing) + ".", ""]  # fmt: skip
     return "\n".join(lines)
 
