@@ -122,6 +122,7 @@ def recall_acceptance(
     context_windows: Annotated[
         list[int] | None, typer.Option("--context-windows", help="contexts in windows of W = 64 (repeat the flag)")
     ] = None,
+    train_steps: Annotated[int | None, typer.Option(help="the drafter's training steps [default: 500]")] = None,
     report_only: Annotated[bool, typer.Option(help="write the table and plot from the rows; run nothing")] = False,
 ) -> None:
     """Acceptance of a recall drafter, full vs windowed full-attention layers (with and without sinks), at
@@ -135,7 +136,8 @@ def recall_acceptance(
     # a recall prompt holds a 48-token segment and its repeat: at least 2 windows
     require(all(n >= 2 for n in contexts), f"--context-windows {min(contexts)} must be >= 2")
     require(not out.is_file(), f"--out {out} is a file; give a folder")
-    spec = RecallModelSpec()
+    require(train_steps is None or train_steps >= 1, f"--train-steps {train_steps} must be >= 1")
+    spec = RecallModelSpec() if train_steps is None else RecallModelSpec(train_steps=train_steps)
     models_spec = json.loads(json.dumps(asdict(spec)))
     out.mkdir(parents=True, exist_ok=True)
     path = out / ROWS
