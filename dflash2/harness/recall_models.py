@@ -44,6 +44,8 @@ class RecallModelSpec:
     train_steps: int = 500
     batch: int = 16
     bank_groups: int = 32
+    # draft blocks per sequence and step, each after another count of repeated tokens
+    cuts: int = 15
     learning_rate: float = 3e-3
     seed: int = 0
 
@@ -67,26 +69,34 @@ def recall_drafter_config(spec: RecallModelSpec) -> DFlashConfig:
     return parse_config(raw, source="RecallModelSpec")
 
 
-class _FullAttentionBatch:
-    """A training ``DraftKVStore``: N examples with one context length; every query sees every context key and
-    every key of its own block (full attention, non-causal block)."""
+class _CutBatch:
+    """A training ``DraftKVStore``: N sequences, each with its whole context K/V written once (``L`` rows at
+    ``positions``) and ``K`` draft blocks cut at different points of it (blocks of one sequence contiguous). Full
+    attention: a block's queries see the context keys before the block's first position and the keys of their own
+    block (non-causal)."""
 
-    def __init__(self, num_examples: int, context: int) -> None:
-        self.n, self.context = num_examples, context
+    def __init__(self, num_sequences: int, positions: torch.Tensor) -> None:
+        self.n, self.positions = num_sequences, positions
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def write(self, layer: int, request: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # k, v: [N * P, Hkv, D] -> [N, P, Hkv, D]
-        self.kv[layer] = (k.view(self.n, self.context, *k.shape[1:]), v.view(self.n, self.context, *v.shape[1:]))
+        # k, v: [N * L, Hkv, D] -> [N, L, Hkv, D]
+        self.kv[layer] = (k.view(self.n, -1, *k.shape[1:]), v.view(self.n, -1, *v.shape[1:]))
 
     def attend(self, layer, q, k_new, v_new, blocks) -> torch.Tensor:
-        block = blocks.block
         k_ctx, v_ctx = self.kv[layer]
+        n, block = self.n, blocks.block
+        rows = q.shape[0] // n  # K * B queries per sequence
+        starts = torch.tensor(blocks.context_lens).view(n, -1)[0]  # [K]: the same cuts in every sequence
+        # [K*B, L]: context keys before the query's block; [K*B, K*B]: the query's own block
+        seen_context = self.positions[None, :] < starts.repeat_interleave(block)[:, None]
+        own = torch.arange(rows) // block
+        mask = torch.cat([seen_context, own[:, None] == own[None, :]], 1)
         # SDPA layout [N, H, L, D]
-        keys = torch.cat([k_ctx, k_new.view(self.n, block, *k_new.shape[1:])], 1).transpose(1, 2)
-        values = torch.cat([v_ctx, v_new.view(self.n, block, *v_new.shape[1:])], 1).transpose(1, 2)
-        queries = q.view(self.n, block, *q.shape[1:]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(queries, keys, values, enable_gqa=True)
+        keys = torch.cat([k_ctx, k_new.view(n, rows, *k_new.shape[1:])], 1).transpose(1, 2)
+        values = torch.cat([v_ctx, v_new.view(n, rows, *v_new.shape[1:])], 1).transpose(1, 2)
+        queries = q.view(n, rows, *q.shape[1:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
         return out.transpose(1, 2).reshape(q.shape)
 
 
@@ -122,10 +132,10 @@ def _feature_bank(spec: RecallModelSpec, target, generator: torch.Generator) -> 
 
 
 def train_recall_drafter(spec: RecallModelSpec, target) -> tuple[DFlash2Drafter, list[float]]:
-    """Train a fresh drafter on recall sequences (``_feature_bank``), each step one group cut after ``r`` repeated
-    tokens, its context positions jumping by a random gap after the source so that the recall distance spans
-    ``SEGMENT .. MAX_RECALL_DISTANCE``; returns the drafter and its token accuracy per draft position over the last
-    50 steps."""
+    """Train a fresh drafter on recall sequences (``_feature_bank``): each step one group, every sequence cut after
+    ``cuts`` random counts ``r`` of its repeated tokens (one draft block per cut, anchored on the ``r``-th), the
+    context positions jumping by a random gap after the source so that the recall distance spans ``SEGMENT ..
+    MAX_RECALL_DISTANCE``; returns the drafter and its token accuracy per draft position over the last 50 steps."""
     config = recall_drafter_config(spec)
     torch.manual_seed(spec.seed)
     drafter = DFlash2Drafter(config, target_hidden_size=spec.target.hidden_size)
@@ -138,28 +148,31 @@ def train_recall_drafter(spec: RecallModelSpec, target) -> tuple[DFlash2Drafter,
     correct = torch.zeros(block - 1)
     for step in range(spec.train_steps):
         group = bank[int(torch.randint(len(bank), (1,), generator=generator))]
+        # r in 1 .. SEGMENT - block + 1 repeated tokens: anchor segment[r - 1], labels segment[r : r + block - 1]
+        cuts = torch.randperm(SEGMENT - block + 1, generator=generator)[: spec.cuts].sort().values + 1
+        labels_at = cuts[:, None] + torch.arange(block - 1)
         layout, n = group.layout, group.tokens.shape[0]
-        # r segment tokens repeated: the last is the anchor, the context ends before it
-        r = int(torch.randint(1, SEGMENT - block + 2, (1,), generator=generator))
-        context = layout.before + layout.segment + layout.between + r - 1
+        source_end = layout.before + layout.segment
         gap = int(torch.randint(0, MAX_RECALL_DISTANCE - layout.recall_distance + 1, (1,), generator=generator))
-        positions = torch.arange(context)
-        positions[layout.before + layout.segment :] += gap
-        store = _FullAttentionBatch(n, context)
-        rows = group.features[:, :context].reshape(n * context, -1)
-        drafter.write_context(store, 0, rows, positions.repeat(n))
-        query = torch.full((n, block), config.mask_token_id)
-        query[:, 0] = group.tokens[:, context]
-        hidden = drafter.forward_block(store, embed(query.flatten()).detach(), [context + gap] * n, block)
-        logits = head(hidden.view(n, block, -1)[:, 1:])
-        labels = group.segments[:, r : r + block - 1]
+        length = group.tokens.shape[1] - 1
+        positions = torch.arange(length)
+        positions[source_end:] += gap
+        store = _CutBatch(n, positions)
+        drafter.write_context(store, 0, group.features[:, :length].reshape(n * length, -1), positions.repeat(n))
+        anchors = source_end + layout.between + cuts - 1  # [K] token indices of the anchors
+        query = torch.full((n, len(cuts), block), config.mask_token_id)
+        query[:, :, 0] = group.tokens[:, anchors]
+        starts = (anchors + gap).tolist() * n
+        hidden = drafter.forward_block(store, embed(query.flatten()).detach(), starts, block)
+        logits = head(hidden.view(n, len(cuts), block, -1)[:, :, 1:])
+        labels = group.segments[:, labels_at]  # [n, K, block - 1]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         schedule.step()
         if step >= spec.train_steps - 50:
-            correct += (logits.argmax(-1) == labels).float().mean(0)
+            correct += (logits.argmax(-1) == labels).float().mean((0, 1))
     return drafter.eval(), (correct / min(50, spec.train_steps)).tolist()
 
 
