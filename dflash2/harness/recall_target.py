@@ -99,7 +99,9 @@ def content_pairs(spec: RecallTargetSpec) -> torch.Tensor:
     """The ``code_dim / 2`` slowest RoPE pairs but the very last: at most ~0.01 rad over ``max_positions``."""
     half = spec.head_dim // 2
     pairs = torch.arange(half - 1 - spec.code_dim // 2, half - 1)
-    assert float(frequencies(spec)[pairs[0]]) * spec.max_positions < 0.05, "raise rope_theta or head_dim"
+    turn = float(frequencies(spec)[pairs[0]]) * spec.max_positions
+    if turn >= 0.05:
+        raise ValueError(f"the content pairs turn {turn:.3f} rad over {spec.max_positions} positions; raise rope_theta")
     return pairs
 
 
@@ -120,7 +122,8 @@ def build_recall_target(spec: RecallTargetSpec, folder: Path | None = None):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     hidden, heads, head_dim = spec.hidden_size, spec.num_heads, spec.head_dim
-    assert spec.offsets < heads, "one layer-0 head per offset"
+    if spec.offsets >= heads:
+        raise ValueError(f"offsets={spec.offsets} needs a layer-0 head each; give num_heads > offsets")
     config = Qwen3Config(
         vocab_size=spec.vocab_size, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=3,
         num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim,
