@@ -142,7 +142,14 @@ def recall_acceptance(
     out.mkdir(parents=True, exist_ok=True)
     path = out / ROWS
     if not report_only:
-        models = build_recall_models(models_dir, spec)
+
+        def progress(step: int, loss: float, accuracy: list[float]) -> None:
+            if step % 50 == 49:
+                per_position = " ".join(f"{a:.2f}" for a in accuracy)
+                console().print(f"training step {step + 1}/{spec.train_steps}: loss {loss:.3f}, per position "
+                                f"{per_position}")  # fmt: skip
+
+        models = build_recall_models(models_dir, spec, progress)
         console().print(f"models: {models_dir} (drafter training accuracy {models.train_accuracy:.2f})")
         done = {(row["context"], row["label"]) for row in read_rows(path, models_spec)}
         for cell in grid(contexts):

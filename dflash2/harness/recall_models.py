@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,11 +132,14 @@ def _feature_bank(spec: RecallModelSpec, target, generator: torch.Generator) -> 
     return groups
 
 
-def train_recall_drafter(spec: RecallModelSpec, target) -> tuple[DFlash2Drafter, list[float]]:
+def train_recall_drafter(
+    spec: RecallModelSpec, target, progress: Callable[[int, float, list[float]], None] | None = None
+) -> tuple[DFlash2Drafter, list[float]]:
     """Train a fresh drafter on recall sequences (``_feature_bank``): each step one group, every sequence cut after
     ``cuts`` random counts ``r`` of its repeated tokens (one draft block per cut, anchored on the ``r``-th), the
     context positions jumping by a random gap after the source so that the recall distance spans ``SEGMENT ..
-    MAX_RECALL_DISTANCE``; returns the drafter and its token accuracy per draft position over the last 50 steps."""
+    MAX_RECALL_DISTANCE``; returns the drafter and its token accuracy per draft position over the last 50 steps.
+    ``progress(step, loss, accuracy per draft position)`` after every step."""
     config = recall_drafter_config(spec)
     torch.manual_seed(spec.seed)
     drafter = DFlash2Drafter(config, target_hidden_size=spec.target.hidden_size)
@@ -171,12 +175,19 @@ def train_recall_drafter(spec: RecallModelSpec, target) -> tuple[DFlash2Drafter,
         loss.backward()
         optimizer.step()
         schedule.step()
+        accuracy = (logits.argmax(-1) == labels).float().mean((0, 1))
         if step >= spec.train_steps - 50:
-            correct += (logits.argmax(-1) == labels).float().mean((0, 1))
+            correct += accuracy
+        if progress is not None:
+            progress(step, float(loss), accuracy.tolist())
     return drafter.eval(), (correct / min(50, spec.train_steps)).tolist()
 
 
-def build_recall_models(folder: str | Path, spec: RecallModelSpec | None = None) -> EngineModels:
+def build_recall_models(
+    folder: str | Path,
+    spec: RecallModelSpec | None = None,
+    progress: Callable[[int, float, list[float]], None] | None = None,
+) -> EngineModels:
     """Build (or reuse, when ``folder`` holds the same spec) the recall target and its drafter; the returned
     ``train_accuracy`` is the drafter's mean accuracy over its draft positions (per position, and the build's
     seconds: ``folder/TRAIN_RECORD``)."""
@@ -186,7 +197,7 @@ def build_recall_models(folder: str | Path, spec: RecallModelSpec | None = None)
     def build() -> float:
         start = time.perf_counter()
         target = build_recall_target(spec.target, folder / "target")
-        drafter, per_position = train_recall_drafter(spec, target)
+        drafter, per_position = train_recall_drafter(spec, target, progress)
         # no embeddings or head in the checkpoint: vLLM's DFlash drafter shares the target's
         drafter.save_pretrained(folder / "drafter")
         record = {"accuracy_per_position": per_position, "seconds": time.perf_counter() - start}
