@@ -42,12 +42,12 @@ class RecallModelSpec:
     # as many KV heads as the target: one page size for every KV group (vLLM's hybrid allocator)
     drafter_kv_heads: int = 4
     draft_block: int = 4  # num_speculative_tokens + 1
-    train_steps: int = 500
+    train_steps: int = 200
     batch: int = 16
-    bank_groups: int = 32
+    bank_groups: int = 16
     # draft blocks per sequence and step, each after another count of repeated tokens
     cuts: int = 15
-    learning_rate: float = 3e-3
+    learning_rate: float = 1e-2
     seed: int = 0
 
     @property
@@ -179,7 +179,7 @@ def train_recall_drafter(
         if step >= spec.train_steps - 50:
             correct += accuracy
         if progress is not None:
-            progress(step, float(loss), accuracy.tolist())
+            progress(step, float(loss.detach()), accuracy.tolist())
     return drafter.eval(), (correct / min(50, spec.train_steps)).tolist()
 
 
