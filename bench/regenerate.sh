@@ -40,6 +40,8 @@ run() {
     smoke-fp8) record smoke_262144_fp8_e4m3_cpu.txt "$ringkv" smoke --context 262144 --kv-cache-dtype fp8_e4m3 ;;
     e2e) record e2e_262144_cpu.txt "$ringkv" e2e --context 262144 --plot "$results/e2e_262144_cpu.png" ;;
     fp8-acceptance) record fp8_acceptance_cpu.txt "$ringkv" bench fp8-acceptance ;;
+    # from scratch: the command resumes from the rows its JSONL already holds for the same models
+    recall-acceptance) rm -f "$results/recall_acceptance.jsonl" && "$ringkv" bench recall-acceptance ;;
     cpu-figures) "$ringkv" bench cpu-figures ;;
     load) "$ringkv" bench load ;;
     compile-report) "$ringkv" bench compile-report --vllm-source "$(.venv/bin/python -c 'import site; print(site.getsitepackages()[0])')" ;;
@@ -47,7 +49,7 @@ run() {
   esac
 }
 
-ALL="admission admission-prefix smoke smoke-fp8 fp8-acceptance cpu-figures load compile-report e2e"
+ALL="admission admission-prefix smoke smoke-fp8 fp8-acceptance recall-acceptance cpu-figures load compile-report e2e"
 for name in ${@:-$ALL}; do
   run "$name"
 done

@@ -111,6 +111,7 @@ def target_config(tmp_path) -> str:
 
 SLIDING_DRAFTER = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 128}
 ALL_SLIDING = {"layer_types": ["sliding_attention"] * 2, "sliding_window": 128}
+SINKS_CACHING = {"--sinks": "16", "--engine-arg": "enable_prefix_caching=true"}
 # (id, extra args or replaced flags, prompts file text, drafter config changes, message)
 REFUSALS = [
     ("target missing", {"--target": "no-such-target"}, None, {}, "--target no-such-target is not a folder"),
@@ -133,6 +134,10 @@ REFUSALS = [
     ("max tokens 0", {"--max-tokens": "0"}, None, {}, "--max-tokens 0 must be >= 1"),
     ("speculative 64", {"--num-speculative-tokens": "64"}, None, {}, "--num-speculative-tokens 64 must be in 1..63"),
     ("engine arg", {"--engine-arg": "max_num_seqs"}, None, {}, "--engine-arg 'max_num_seqs' is not KEY=VALUE"),
+    ("sinks negative", {"--sinks": "-1"}, None, {}, "--sinks -1 must be >= 0"),
+    ("sinks twice", {"--sinks": ["16", "16"]}, None, {}, "--sinks 16 is given twice"),
+    ("sinks above window", {"--sinks": "65"}, None, {}, "--sinks 65 is above --window 64"),
+    ("sinks with prefix caching", SINKS_CACHING, None, {}, "--sinks 16 with --engine-arg enable_prefix_caching=true"),
 ]
 
 
@@ -172,6 +177,41 @@ def fake_run(spec, *, drafter_layers, record_outputs):
     counters = {"drafts": 4, "draft_tokens": 28, "accepted": 7, "accepted_per_position": [4, 2, 1, 0, 0, 0, 0]}
     return SimpleNamespace(scheduler={"steps": steps, "ring_blocks": 3 if window else None}, spec_decode=counters,
                            generate_seconds=1.0, tokens=[[7, 8, 9 if window else 10]])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("window", "sinks", "keys"),
+    [(None, 0, 4 * 104), (64, 0, 67 + 66 + 65 + 64), (64, 16, 67 + 66 + 65 + 64 + 4 * 16), (200, 16, 4 * 104)],
+    ids=["full", "window", "window and sinks", "window past the context"],
+)
+def test_keys_read_per_step_counts_what_the_mask_shows_the_block(window, sinks, keys):
+    """Context 100, a block of 4 queries (non-causal) over keys 0..103: query q sees k iff k < S or q - k < Wf."""
+    from ringkv.bench.acceptance import keys_read_per_step
+
+    assert keys_read_per_step(100, 4, window, sinks) == keys
+
+
+def test_each_window_runs_with_each_sink_count_in_its_environment(tmp_path, monkeypatch):
+    """No engine: ``--sinks`` adds a variant per window and sink count, each started with both variables set (full:
+    both empty), and every row carries its keys read per step."""
+    from ringkv.bench.acceptance import keys_read_per_step
+    from ringkv.bench.lab.e2e import runner
+
+    started = []
+    monkeypatch.setattr(
+        runner, "run_engine", lambda spec, **kw: started.append(spec.environment) or fake_run(spec, **kw)
+    )
+    args = refusal_args(tmp_path, {"--window": ["64", "96"], "--sinks": ["0", "16"]}, None, {})
+    CliRunner().invoke(app, [*args, "--json", str(tmp_path / "report.json")], env={"COLUMNS": "200"})
+    assert [(e["RINGKV_DRAFTER_FULL_WINDOW"], e["RINGKV_DRAFTER_FULL_SINKS"]) for e in started] == [
+        ("", ""), ("64", "0"), ("64", "16"), ("96", "0"), ("96", "16")
+    ]  # fmt: skip
+    rows = json.loads((tmp_path / "report.json").read_text())["variants"]
+    assert [r["label"] for r in rows] == ["full", "Wf 64", "Wf 64 S 16", "Wf 96", "Wf 96 S 16"]
+    # the prompts of refusal_args: 50 and 30 tokens; the drafter's block: 8
+    for row in rows:
+        expected = [keys_read_per_step(n, 8, row["window"], row["sinks"]) for n in (50, 30)]
+        assert row["keys_read_per_step"] == sum(expected) / 2, row
 
 
 def test_other_tokens_than_full_are_a_loud_failure_exit_1(tmp_path, monkeypatch):
