@@ -129,13 +129,17 @@ def test_live_span():
     assert first_visible_position(torch.tensor([0, 2047, 2048]), 2048).tolist() == [0, 0, 1]
 
 
+# a ring's shape and a context length, for the live-block properties below
+RING_SHAPES = {
+    "window": st.integers(1, 300),
+    "kv_block_size": st.integers(1, 40),
+    "lookahead": st.integers(1, 40),
+    "context_len": st.integers(0, 5000),
+}
+
+
 @settings(max_examples=300, deadline=None)
-@given(
-    window=st.integers(1, 300),
-    kv_block_size=st.integers(1, 40),
-    lookahead=st.integers(1, 40),
-    context_len=st.integers(0, 5000),
-)
+@given(**RING_SHAPES)
 def test_live_blocks_map_to_distinct_physical_blocks(window, kv_block_size, lookahead, context_len):
     plan = RingPlan(window, kv_block_size, lookahead)
     logical = plan.live_blocks(context_len)
@@ -144,13 +148,7 @@ def test_live_blocks_map_to_distinct_physical_blocks(window, kv_block_size, look
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    window=st.integers(1, 300),
-    kv_block_size=st.integers(1, 40),
-    lookahead=st.integers(1, 40),
-    context_len=st.integers(0, 5000),
-    data=st.data(),
-)
+@given(**RING_SHAPES, data=st.data())
 def test_live_ring_blocks_never_take_a_sink_column(window, kv_block_size, lookahead, context_len, data):
     plan = RingPlan(window, kv_block_size, lookahead, data.draw(st.integers(1, window), label="sink_tokens"))
     ns = plan.sink_blocks
