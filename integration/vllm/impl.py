@@ -67,7 +67,12 @@ class RingKVImpl(AttentionImpl[RingAttentionMetadata]):
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"ringkv: attn_type={attn_type} is not supported (decoder attention only)")
         if unsupported.get("sinks") is not None:
-            raise NotImplementedError("ringkv: attention sinks are not supported")
+            raise NotImplementedError(
+                "ringkv: this layer declares learned attention sinks (a sink logit per head, from its checkpoint), "
+                "which RINGKV does not serve and will not drop; run the layer on another attention backend "
+                "(speculative_config attention_backend for a drafter). RINGKV_DRAFTER_FULL_SINKS keeps sink tokens, "
+                "not learned sinks"
+            )
         if kv_sharing_target_layer_name is not None:
             raise NotImplementedError(
                 f"ringkv: kv_sharing_target_layer_name={kv_sharing_target_layer_name!r} (cross-layer KV sharing) is "
