@@ -5,7 +5,8 @@ tail is hashed (``CachedRing.hash_tail``). ``RingSWAManager`` inherits these rul
 keeps every hashed or shared block from being overwritten (``kv_cache.py``).
 
 A tail is the ring blocks a freed request leaves hashed: at most R, its last window, which its next turn, a sibling
-branch or its own resumption adopts. The hit, the hash rules and the hazards they guard against:
+branch or its own resumption adopts; with sinks its ns sink blocks beside it, which every hit of the prefix needs.
+The hit, the hash rules and the hazards they guard against:
 [docs/vllm-plugin.md](../../docs/vllm-plugin.md#prefix-caching).
 """
 
