@@ -234,8 +234,8 @@ class CachedRing:
         turn and branch of the prefix shares, once."""
         hashes = resolve_block_hashes(request.block_hashes, self.block_pool.hash_block_size, self.block_size)
         group = [self.kv_cache_group_id]
-        blocks = range(self.plan.sink_blocks, min(below, len(hashes)))
-        found = (self.block_pool.get_cached_block(hashes[j], group) for j in blocks)
+        window = range(self.plan.sink_blocks, min(below, len(hashes)))
+        found = (self.block_pool.get_cached_block(hashes[j], group) for j in window)
         return [blocks[0] for blocks in found if blocks is not None and blocks[0].ref_cnt == 0]
 
     def keep_tail(self, ring: Sequence[KVCacheBlock], freed: bool = True) -> None:

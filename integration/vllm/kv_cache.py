@@ -242,11 +242,10 @@ class RingSWAManager(CachedRing, SlidingWindowManager):
         self.keep_tail(ring)
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
-        """The distinct ring blocks (each once: the pool counts one reference per request), the sink blocks first,
-        then the newest logical block first: the caller frees them in reverse, so the oldest is evicted first and the
-        tail's end (what the next turn or a resumed request adopts) and the sink blocks (what every hit of the prefix
-        needs) stay cached longest."""
+        """The distinct ring blocks (each once: the pool counts one reference per request), the newest logical
+        block first: the caller frees them in reverse, so the oldest is evicted first and the tail's end (what the
+        next turn or a resumed request adopts) stays cached longest."""
         super().pop_blocks_for_free(request_id)
         self.drafter_skips.forget(request_id)
         ring = self.rings.pop(request_id, None)
-        return [] if ring is None else ring.newest_first(self.sink_blocks)
+        return [] if ring is None else ring.newest_first()

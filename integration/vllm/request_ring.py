@@ -71,9 +71,7 @@ class RequestRing:
         """The ring's blocks, by column, from ``first_column`` on."""
         return [block for block in self.blocks[first_column:] if block is not None]
 
-    def newest_first(self, sink_columns: int = 0) -> list[KVCacheBlock]:
-        """The ring's blocks, the first ``sink_columns`` columns' (the sink blocks: freed last, evicted last) first,
-        then the newest logical block first (columns holding none last)."""
-        order = sorted(zip(self.logical, range(len(self.blocks)), self.blocks, strict=True),
-                       key=lambda entry: (entry[1] < sink_columns, entry[0], entry[1]), reverse=True)  # fmt: skip
+    def newest_first(self) -> list[KVCacheBlock]:
+        """The ring's blocks, the newest logical block first (columns holding none last)."""
+        order = sorted(zip(self.logical, range(len(self.blocks)), self.blocks, strict=True), reverse=True)
         return [block for _, _, block in order if block is not None]

@@ -174,20 +174,22 @@ def audited_accounting(ring: RingSWAManager, mismatches: list) -> None:
 
 
 def audited_eviction(pool, ring_group: int, sink_blocks: int = 0, hashed_as: dict[int, int] | None = None) -> list[int]:
-    """Count allocations that evicted a cached target block while an unheld cached ring window block stayed cached
-    (a sink block, hashed as a logical block below ``sink_blocks`` per ``hashed_as``, is evicted as a target block
-    is: it may stay)."""
+    """Count allocations that evicted a cached target block while an unheld cached ring window block stayed cached. A
+    sink block (hashed as a logical block below ``sink_blocks``, per ``hashed_as``) counts as a target block: every
+    hit of its prefix needs it."""
     hashed_as = {} if hashed_as is None else hashed_as
     get_new_blocks, offences = pool.get_new_blocks, []
+
+    def window(block_id: int, block_hash) -> bool:
+        return get_group_id(block_hash) == ring_group and hashed_as.get(block_id, sink_blocks) >= sink_blocks
 
     def checked(num_blocks: int):
         before = {block.block_id: block.block_hash for block in pool.blocks if block.ref_cnt == 0}
         taken = get_new_blocks(num_blocks)
         evicted_target = [b for b in taken if before.get(b.block_id) is not None
-                          and get_group_id(before[b.block_id]) != ring_group]  # fmt: skip
+                          and not window(b.block_id, before[b.block_id])]  # fmt: skip
         windows_left = [b for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None
-                        and get_group_id(b.block_hash) == ring_group
-                        and hashed_as.get(b.block_id, sink_blocks) >= sink_blocks]  # fmt: skip
+                        and window(b.block_id, b.block_hash)]  # fmt: skip
         if evicted_target and windows_left:
             offences.append(len(evicted_target))
         return taken
