@@ -185,7 +185,7 @@ def check_windows(options: AcceptanceOptions, drafter: dict[str, Any]) -> None:
 
 
 def check_sinks(options: AcceptanceOptions) -> None:
-    """Each sink count in ``0 .. every window``, none twice, and none with prefix caching turned on."""
+    """Each sink count in ``0 .. every window``, none twice."""
     repeated = sorted({s for s in options.sinks if options.sinks.count(s) > 1})
     if repeated:
         raise AcceptanceInputError(f"--sinks {repeated[0]} is given twice; give each S once")
@@ -195,10 +195,6 @@ def check_sinks(options: AcceptanceOptions) -> None:
     if options.windows and high > min(options.windows):
         raise AcceptanceInputError(f"--sinks {high} is above --window {min(options.windows)}: a window keeps at "
                                    "most Wf sinks; give sinks <= every window")  # fmt: skip
-    if high > 0 and options.engine_args.get("enable_prefix_caching"):
-        raise AcceptanceInputError(f"--sinks {high} with --engine-arg enable_prefix_caching=true: sinks are refused "
-                                   "with prefix caching on (RINGKV_DRAFTER_FULL_SINKS); drop that engine argument "
-                                   "(the runs default to prefix caching off) or --sinks")  # fmt: skip
 
 
 def check_options(options: AcceptanceOptions) -> None:

@@ -78,7 +78,7 @@ def prompts_for(models: Any, context: int) -> tuple[list[list[int]], list[list[i
 
 def acceptance_options(models: Any, prompts_file: Path) -> AcceptanceOptions:
     windows = tuple(m * W for m in WINDOW_MULTIPLES)
-    # prefix caching off in every cell: sinks are refused with it on (RINGKV_DRAFTER_FULL_SINKS)
+    # prefix caching off in every cell: each prompt is measured cold, as bench/results/recall_acceptance.* was
     engine = {"enable_prefix_caching": False, "max_num_batched_tokens": PROMPTS * MAX_MODEL_LEN}
     return AcceptanceOptions(target=models.target, drafter=models.drafter, prompts=prompts_file, windows=windows,
                              max_tokens=MAX_TOKENS, kv_block_size=KV_BLOCK, max_model_len=MAX_MODEL_LEN,

@@ -133,16 +133,17 @@ def sinks_below_window(query_position: int, window: int, sink_tokens: int) -> in
     return min(sink_tokens, first_visible_position(query_position, window))
 
 
-def longest_rebuilding_prefix_hit(num_tokens: int, window: int) -> int:
+def longest_rebuilding_prefix_hit(num_tokens: int, window: int, sink_tokens: int = 0) -> int:
     """The longest prefix-cache hit (tokens) after which a ring is rebuilt by recomputing the rest.
 
     A ring keeps no K/V across requests, so after a hit of ``h`` tokens it holds only what the recompute of
     ``h .. num_tokens - 1`` writes. The first query the ring then serves sits at ``num_tokens`` (a drafter's
     first draft position: the target's last computed position + 1; later queries only move right), and sees
     keys from ``first_visible_position(num_tokens)``: every one of them must be recomputed, so
-    ``h <= num_tokens - (W - 1)``. vLLM aligns the hit down to its block from there.
+    ``h <= num_tokens - (W - 1)``. vLLM aligns the hit down to its block from there. With sinks every query
+    also sees keys ``0 .. sink_tokens - 1``: only ``h = 0`` recomputes them.
     """
-    return first_visible_position(num_tokens, window)
+    return 0 if sink_tokens else first_visible_position(num_tokens, window)
 
 
 def visible(
@@ -222,6 +223,13 @@ class RingPlan:
         """The logical block of the lowest key the window shows a query at ``query_position``: blocks below it,
         the sink blocks aside, are dead to that query and to every later one."""
         return first_visible_position(query_position, self.window) // self.kv_block_size
+
+    def hit_needs_block(self, logical_block: int, num_tokens: int) -> bool:
+        """Whether a prefix hit reaching past ``logical_block`` on a request of ``num_tokens`` tokens must bring that
+        block's K/V (the recompute of the rest does not write it, and the first query, at ``num_tokens``, or a later
+        one sees it): a sink block, or one at or past ``first_visible_block(num_tokens)``. The blocks between are dead
+        to every query the request makes."""
+        return logical_block < self.sink_blocks or logical_block >= self.first_visible_block(num_tokens)
 
     def live_span(self, context_len: int) -> tuple[int, int]:
         """Half-open positions ``[max(0, P-(W-1)), P+la)`` one step at context_len ``P`` reads or writes."""

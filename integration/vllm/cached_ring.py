@@ -5,7 +5,8 @@ tail is hashed (``CachedRing.hash_tail``). ``RingSWAManager`` inherits these rul
 keeps every hashed or shared block from being overwritten (``kv_cache.py``).
 
 A tail is the ring blocks a freed request leaves hashed: at most R, its last window, which its next turn, a sibling
-branch or its own resumption adopts. The hit, the hash rules and the hazards they guard against:
+branch or its own resumption adopts; with sinks its ns sink blocks beside it, which every hit of the prefix needs.
+The hit, the hash rules and the hazards they guard against:
 [docs/vllm-plugin.md](../../docs/vllm-plugin.md#prefix-caching).
 """
 
@@ -112,34 +113,33 @@ class CachedRing:
         *args: Any,
         **kwargs: Any,
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        """vLLM's finder contract for a ring group: per group the hit's row (null below the block the request's
-        first query sees, then the cached tail blocks from there on), and the hit in tokens (a multiple of
-        ``alignment_tokens``, never longer than the candidate the coordinator asks about). Without ``cache_ring``
-        vLLM leaves the group out of the lookup (not ``prefix_cacheable``).
+        """vLLM's finder contract for a ring group: per group the hit's row (the cached sink blocks, null up to the
+        block the request's first query sees, then the cached tail blocks from there on), and the hit in tokens (a
+        multiple of ``alignment_tokens``, never longer than the candidate the coordinator asks about): it ends at
+        the first block the hit needs (``RingPlan.hit_needs_block``) that has no cached copy. Without
+        ``cache_ring`` vLLM leaves the group out of the lookup (not ``prefix_cacheable``).
 
         ``drop_eagle_block``: the coordinator asked for one ring block past its candidate (its EAGLE margin; the
         ring manager has no fine-grained lookup, so the margin is one block); the ring drops no block of its own, it
         stops at the candidate."""
         if not kv_cache_spec.cache_ring:
             return tuple([] for _ in kv_cache_group_ids), 0
-        block_size = kv_cache_spec.block_size
+        block_size, plan, num_tokens = kv_cache_spec.block_size, kv_cache_spec.plan, looked_up_tokens()
         candidate = (max_length - (block_size if drop_eagle_block else 0)) // block_size
-        first = kv_cache_spec.plan.first_visible_block(looked_up_tokens())
         hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
-        run: list[list[KVCacheBlock]] = []
-        for j in range(first, min(candidate, len(hashes))):
-            cached = block_pool.get_cached_block(hashes[j], kv_cache_group_ids)
+        null = [block_pool.null_block] * len(kv_cache_group_ids)
+        found: list[list[KVCacheBlock]] = []  # per logical block, a block per group
+        for j in range(candidate):
+            if not plan.hit_needs_block(j, num_tokens):
+                found.append(null)
+                continue
+            cached = block_pool.get_cached_block(hashes[j], kv_cache_group_ids) if j < len(hashes) else None
             if cached is None:
                 break
-            run.append(cached)
-        end = first + len(run) if run else min(first, candidate)
+            found.append(cached)
         step = math.lcm(alignment_tokens, block_size) // block_size  # the hit stays a multiple of both
-        end = end // step * step
-        null = block_pool.null_block
-        rows = tuple(
-            [null] * min(first, end) + [blocks[index] for blocks in run[: max(0, end - first)]]
-            for index in range(len(kv_cache_group_ids))
-        )
+        end = len(found) // step * step
+        rows = tuple([blocks[index] for blocks in found[:end]] for index in range(len(kv_cache_group_ids)))
         return rows, end * block_size
 
     def hit_row(self, new_computed_blocks: Sequence[KVCacheBlock], num_computed_tokens: int) -> list[KVCacheBlock]:
@@ -158,13 +158,17 @@ class CachedRing:
 
     def hash_tail(self, request: Any, max_model_len: int) -> list[KVCacheBlock]:
         """With ``cache_ring``, hash the tail of a request being freed (``tail_to_hash``, less what is cached
-        already) and drop the hashes of the tails it supersedes; its ring's blocks (none without ``cache_ring``)."""
+        already; its sink blocks too) and drop the hashes of the tails it supersedes; its ring's window blocks, the
+        sink blocks aside (none without ``cache_ring``): what ``keep_tail`` records for eviction before the
+        target's blocks. A sink block is evicted as a target block is: every hit of its prefix needs it."""
         request_id = request.request_id
         if not (self.enable_caching and self.kv_cache_spec.cache_ring and request_id in self.rings):
             return []
         drafter_max_len = min(max_model_len, self.kv_cache_spec.drafter_max_len or max_model_len)
         tail = self.tail_to_hash(request, drafter_max_len)
-        for block in self.superseded_tails(request, min(tail, default=len(self.req_to_blocks[request_id]))):
+        sinks = self.plan.sink_blocks
+        window = min((j for j in tail if j >= sinks), default=len(self.req_to_blocks[request_id]))
+        for block in self.superseded_tails(request, window):
             drop_cached_hash(self.block_pool, block)
         for block in self.duplicated(request_id):
             drop_cached_hash(self.block_pool, block)
@@ -176,7 +180,7 @@ class CachedRing:
                 num_full_blocks=last + 1, block_size=self.block_size, kv_cache_group_id=self.kv_cache_group_id,
                 block_mask=[j in hashable for j in range(first, last + 1)],
             )  # fmt: skip
-        return self.rings[request_id].claimed()
+        return self.rings[request_id].claimed(first_column=sinks)
 
     def tail_to_hash(self, request: Any, drafter_max_len: int) -> set[int]:
         """The logical blocks of ``request``'s ring whose K/V a later request may adopt as it is freed: held by their
@@ -224,12 +228,14 @@ class CachedRing:
         ]  # fmt: skip
 
     def superseded_tails(self, request: Any, below: int) -> list[KVCacheBlock]:
-        """The unheld cached ring blocks of ``request``'s own prefix below logical block ``below`` (its tail): the tails
-        of its earlier turns (or of itself before a preemption). Dropping their hashes bounds the ring's share of the
-        cache to one tail per conversation branch."""
+        """The unheld cached ring blocks of ``request``'s own prefix below logical block ``below`` (its tail's window),
+        the sink blocks aside: the tails of its earlier turns (or of itself before a preemption). Dropping their hashes
+        bounds the ring's share of the cache to one tail per conversation branch, and the sink blocks, which every
+        turn and branch of the prefix shares, once."""
         hashes = resolve_block_hashes(request.block_hashes, self.block_pool.hash_block_size, self.block_size)
         group = [self.kv_cache_group_id]
-        found = (self.block_pool.get_cached_block(hashes[j], group) for j in range(min(below, len(hashes))))
+        window = range(self.plan.sink_blocks, min(below, len(hashes)))
+        found = (self.block_pool.get_cached_block(hashes[j], group) for j in window)
         return [blocks[0] for blocks in found if blocks is not None and blocks[0].ref_cnt == 0]
 
     def keep_tail(self, ring: Sequence[KVCacheBlock], freed: bool = True) -> None:

@@ -108,20 +108,15 @@ def windowed_drafter_full_layers(worker: Any, specs: dict[str, Any]) -> tuple[di
 
 
 def check_sinks_config(option: DrafterFullWindow, vllm_config: Any) -> None:
-    """Refuse what sink blocks cannot be served beside: a prefix hit or a connector's load skips the recompute of
-    the sink tokens, and neither puts a ring's sink blocks in a cache; Model Runner V2 was not run with them."""
+    """Refuse what sink blocks cannot be served beside: a connector's load skips the recompute of the sink tokens,
+    and no connector moves a ring's sink blocks; Model Runner V2 was not run with them. Prefix caching is served:
+    the sink blocks are hashed and adopted as a cached ring's window blocks are (``cached_ring.py``), and without
+    ``RINGKV_RING_PREFIX_CACHE`` every hit is capped to 0 (``prefix_cache.rebuild_cap``)."""
     setting = f"{SINKS_ENV}={option.sinks}"
     if vllm_config is not None and uses_model_runner_v2(vllm_config):
         raise RingConfigError(
             f"ringkv: {setting} on Model Runner V2: sink blocks are served and tested on vLLM's V1 model runner only "
             f"(vLLM 0.32 / 0.33 without VLLM_USE_V2_MODEL_RUNNER=1); run V1, or unset {SINKS_ENV}"
-        )
-    cache = getattr(vllm_config, "cache_config", None)
-    if cache is not None and getattr(cache, "enable_prefix_caching", False):
-        raise RingConfigError(
-            f"ringkv: {setting} with prefix caching on: a prefix hit would skip the sink tokens' K/V, which the ring's "
-            f"sink blocks do not keep in the prefix cache yet. Start vLLM with --no-enable-prefix-caching, or unset "
-            f"{SINKS_ENV} (a plain window of {WINDOW_ENV}={option.window}, which takes prefix hits)"
         )
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     if transfer is not None and getattr(transfer, "kv_connector", None) is not None:

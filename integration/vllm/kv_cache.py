@@ -206,7 +206,7 @@ class RingSWAManager(CachedRing, SlidingWindowManager):
         num_external_computed_tokens: int,
     ) -> None:
         """A prefix hit: the row takes the hit's entries (``hit_row``), so it stays position-indexed; with
-        ``cache_ring`` each adopted block is touched and sits at its column ``j mod R``."""
+        ``cache_ring`` each adopted block (sink blocks included) is touched and sits at its column (``column``)."""
         del num_external_computed_tokens
         hit = self.hit_row(new_computed_blocks, num_local_computed_tokens)
         row = self.req_to_blocks[request_id]

@@ -22,10 +22,12 @@ from .ring_spec import RingSWASpec
 
 def rebuild_cap(kv_cache_groups: Iterable[Any], num_tokens: int, cached_rings: bool) -> int | None:
     """The longest prefix of a request of ``num_tokens`` tokens after which the recompute of the rest rebuilds every
-    ring group (those with ``cache_ring`` too only if ``cached_rings``); None when there is none."""
-    windows = [g.kv_cache_spec.sliding_window for g in kv_cache_groups if isinstance(g.kv_cache_spec, RingSWASpec)
-               and (cached_rings or not g.kv_cache_spec.cache_ring)]  # fmt: skip
-    return min((longest_rebuilding_prefix_hit(num_tokens, window) for window in windows), default=None)
+    ring group (those with ``cache_ring`` too only if ``cached_rings``); None when there is none. A group with sink
+    tokens is rebuilt only from the first token: 0."""
+    specs = [g.kv_cache_spec for g in kv_cache_groups if isinstance(g.kv_cache_spec, RingSWASpec)
+             and (cached_rings or not g.kv_cache_spec.cache_ring)]  # fmt: skip
+    return min((longest_rebuilding_prefix_hit(num_tokens, spec.sliding_window, spec.sink_tokens) for spec in specs),
+               default=None)  # fmt: skip
 
 
 def ring_hit_cap(kv_cache_groups: Iterable[Any], num_tokens: int) -> int:

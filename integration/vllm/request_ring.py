@@ -67,9 +67,9 @@ class RequestRing:
             if block is not None and logical_block != NO_BLOCK:
                 yield logical_block, block
 
-    def claimed(self) -> list[KVCacheBlock]:
-        """The ring's blocks, by column."""
-        return [block for block in self.blocks if block is not None]
+    def claimed(self, first_column: int = 0) -> list[KVCacheBlock]:
+        """The ring's blocks, by column, from ``first_column`` on."""
+        return [block for block in self.blocks[first_column:] if block is not None]
 
     def newest_first(self) -> list[KVCacheBlock]:
         """The ring's blocks, the newest logical block first (columns holding none last)."""

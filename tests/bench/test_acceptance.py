@@ -111,7 +111,6 @@ def target_config(tmp_path) -> str:
 
 SLIDING_DRAFTER = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 128}
 ALL_SLIDING = {"layer_types": ["sliding_attention"] * 2, "sliding_window": 128}
-SINKS_CACHING = {"--sinks": "16", "--engine-arg": "enable_prefix_caching=true"}
 # (id, extra args or replaced flags, prompts file text, drafter config changes, message)
 REFUSALS = [
     ("target missing", {"--target": "no-such-target"}, None, {}, "--target no-such-target is not a folder"),
@@ -137,7 +136,6 @@ REFUSALS = [
     ("sinks negative", {"--sinks": "-1"}, None, {}, "--sinks -1 must be >= 0"),
     ("sinks twice", {"--sinks": ["16", "16"]}, None, {}, "--sinks 16 is given twice"),
     ("sinks above window", {"--sinks": "65"}, None, {}, "--sinks 65 is above --window 64"),
-    ("sinks with prefix caching", SINKS_CACHING, None, {}, "--sinks 16 with --engine-arg enable_prefix_caching=true"),
 ]
 
 

@@ -7,9 +7,9 @@ Each slot holds the *key* of what was written there: ``prefix_key(tokens[: p + 1
 query row. Per scheduler step, in V1 DFlash's order: every request's context rows ``[s, e)`` through the worker's
 block-table row (append-only, built from the ``SchedulerOutput``; a null entry stores nothing; a later row of the
 step wins a slot it shares), then the drafter's query rows ``[c, c + la)`` (``c``: the committed count after the
-step), then the reads: each request that sampled a token sees ``[c - (W - 1), c)`` and every one of those slots must
-hold its own prefix's key. The driver (``run``) samples drafts that differ from the committed tokens, so a rejected
-row is never mistaken for a committed one.
+step), then the reads: each request that sampled a token sees ``[c - (W - 1), c)`` (and, with sinks, ``[0, S)``)
+and every one of those slots must hold its own prefix's key. The driver (``run``) samples drafts that differ from
+the committed tokens, so a rejected row is never mistaken for a committed one.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ class RingAudit:
     drafter_max_len: int
     # V1's runner skips the drafter (and its store) near the drafter's max length; Model Runner V2 never does
     runner_skips: bool = True
+    # keys 0 .. sink_tokens - 1 every query sees besides its window (a windowed full-attention layer's sinks)
+    sink_tokens: int = 0
     slots: dict[int, list[Any]] = field(default_factory=dict)  # block id -> per-slot key
     rows: dict[str, list[int]] = field(default_factory=dict)  # request id -> the worker's row (block ids)
     keys: dict[str, PrefixKeys] = field(default_factory=dict)
@@ -64,6 +66,9 @@ class RingAudit:
     skipped: dict[str, set[int]] = field(default_factory=dict)
     reads_checked: int = 0
     hashes_checked: int = 0
+    sink_reads_checked: int = 0
+    # block id -> the logical block it was last hashed as
+    hashed_as: dict[int, int] = field(default_factory=dict)
     # blocks handed out again while a row still named them, and how many of those in a schedule() that preempted
     poisoned: int = 0
     poisoned_beside_preemption: int = 0
@@ -120,7 +125,9 @@ class RingAudit:
     def check_reads(self, request_id: str, committed: int) -> None:
         keys = self.keys[request_id].chain
         own_holes = self.skipped.get(request_id, set())
-        for position in range(max(0, committed - (self.window - 1)), committed):
+        window_start = max(0, committed - (self.window - 1))
+        sinks = range(min(self.sink_tokens, window_start))
+        for position in [*sinks, *range(window_start, committed)]:
             if position in own_holes:
                 continue
             where = self.slot(request_id, position)
@@ -131,6 +138,7 @@ class RingAudit:
                 f"{'another prefix or position' if held not in (None, JUNK) else held}"
             )
             self.reads_checked += 1
+            self.sink_reads_checked += position < window_start
 
     def watch_handouts(self, block_pool: Any, live: Callable[[], Container[str]]) -> None:
         """Poison every block ``BlockPool.get_new_blocks`` hands out (to any group) while the ring row of a request
@@ -171,6 +179,7 @@ class RingAudit:
                         "holds other K/V"
                     )
                     self.hashes_checked += 1
+                    self.hashed_as[blocks[j].block_id] = j
             return cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
                                      kv_cache_group_id, **kwargs)  # fmt: skip
 

@@ -32,12 +32,12 @@ TARGET_BLOCK = 32  # hits align to lcm(32, 16)
 
 def scheduler(
     pool_blocks: int, cache_ring: bool, max_model_len: int = 4096, max_num_seqs: int = 4, prefix_caching: bool = True,
-    drafter_max_len: int = 0, v2_runner: bool = False,
+    drafter_max_len: int = 0, v2_runner: bool = False, sink_tokens: int = 0,
 ):  # fmt: skip
     deployment = Deployment(
         pool_blocks=pool_blocks, target_groups=2, target_kv_block_size=TARGET_BLOCK, drafter=DRAFTER,
         max_model_len=max_model_len, max_num_batched_tokens=96, max_num_seqs=max_num_seqs,
-        prefix_caching=prefix_caching, async_scheduling=False,
+        prefix_caching=prefix_caching, async_scheduling=False, sink_tokens=sink_tokens,
     )  # fmt: skip
     config = build_vllm_config(deployment)
     kv_config = deployment.kv_cache_config(ring=True)
@@ -95,15 +95,16 @@ class Traffic:
 def drive(
     pool_blocks: int, cache_ring: bool, seed: int = 0, abort_at: int | None = None, edge: int | None = None,
     prefix_caching: bool = True, edge_is_the_drafters: bool = False, deferred_frees: bool = False,
-    v2_runner: bool = False,
+    v2_runner: bool = False, sink_tokens: int = 0,
 ):  # fmt: skip
-    """The traffic through a scheduler, audited; ``edge``: also a request to that max model length (the engine's,
-    or with ``edge_is_the_drafters`` the drafter's alone); ``deferred_frees``: every free deferred, as vLLM does
-    with a KV consumer connector and overlapping batches while a step in flight may write the blocks
-    (``pop_blocks_for_free`` now, the blocks back in the pool a step later)."""
+    """The traffic through a scheduler, audited (``sink_tokens``: the ring's sinks, read by every query); ``edge``:
+    also a request to that max model length (the engine's, or with ``edge_is_the_drafters`` the drafter's alone);
+    ``deferred_frees``: every free deferred, as vLLM does with a KV consumer connector and overlapping batches while
+    a step in flight may write the blocks (``pop_blocks_for_free`` now, the blocks back in the pool a step later)."""
     engine_max = 4096 if edge is None or edge_is_the_drafters else edge
     sched, hasher = scheduler(pool_blocks, cache_ring, max_model_len=engine_max, prefix_caching=prefix_caching,
-                              drafter_max_len=edge if edge_is_the_drafters else 0, v2_runner=v2_runner)  # fmt: skip
+                              drafter_max_len=edge if edge_is_the_drafters else 0, v2_runner=v2_runner,
+                              sink_tokens=sink_tokens)  # fmt: skip
     if deferred_frees:
         sched.defer_block_free = True
         sched._request_blocks_can_be_freed = lambda request: False
@@ -111,16 +112,21 @@ def drive(
     ring = drafter_manager(sched.kv_cache_manager)
     audit = RingAudit(group=len(sched.kv_cache_config.kv_cache_groups) - 1, block_size=DRAFTER.kv_block_size,
                       window=DRAFTER.window, lookahead=DRAFTER.lookahead,
-                      drafter_max_len=edge or engine_max, runner_skips=not v2_runner)  # fmt: skip
+                      drafter_max_len=edge or engine_max, runner_skips=not v2_runner,
+                      sink_tokens=sink_tokens)  # fmt: skip
     audit.watch_hashing(ring.block_pool)
     audit.watch_handouts(ring.block_pool, live=lambda: sched.requests)
-    record = {"preemptions": 0, "hits": 0, "adopted": 0, "peak_held": 0, "accounting": []}
+    record = {"preemptions": 0, "hits": 0, "adopted": 0, "adopted_sinks": 0, "peak_held": 0, "accounting": [],
+              "hit_by_request": {}}  # fmt: skip
 
     def on_step(output) -> None:
         record["preemptions"] += len(output.preempted_req_ids)
         for new in output.scheduled_new_reqs:
             record["hits"] += new.num_computed_tokens
-            record["adopted"] += sum(block != 0 for block in new.block_ids[-1][: new.num_computed_tokens // 16])
+            record["hit_by_request"].setdefault(new.req_id, new.num_computed_tokens)
+            hit_row = new.block_ids[-1][: new.num_computed_tokens // 16]
+            record["adopted"] += sum(block != 0 for block in hit_row)
+            record["adopted_sinks"] += sum(block != 0 for block in hit_row[: ring.sink_blocks])
         held = [drafter_blocks_held(sched.kv_cache_manager, rid) for rid in sched.requests]
         record["peak_held"] = max([record["peak_held"], *held])
 
@@ -129,7 +135,8 @@ def drive(
         return running[:1] if abort_at is not None and step == abort_at else []
 
     audited_accounting(ring, record["accounting"])
-    record["target_evicted_beside_windows"] = audited_eviction(ring.block_pool, audit.group)
+    record["target_evicted_beside_windows"] = audited_eviction(ring.block_pool, audit.group, ring.sink_blocks,
+                                                               audit.hashed_as)  # fmt: skip
     traffic.submit(sched)
     steps = run(sched, audit, traffic.submit, random.Random(seed), on_step=on_step, abort=abort)
     return sched, ring, audit, record, steps
@@ -166,17 +173,23 @@ def audited_accounting(ring: RingSWAManager, mismatches: list) -> None:
     ring.allocate_new_blocks = allocate_new_blocks
 
 
-def audited_eviction(pool, ring_group: int) -> list[int]:
-    """Count allocations that evicted a cached target block while an unheld cached ring block stayed cached."""
+def audited_eviction(pool, ring_group: int, sink_blocks: int = 0, hashed_as: dict[int, int] | None = None) -> list[int]:
+    """Count allocations that evicted a cached target block while an unheld cached ring window block stayed cached. A
+    sink block (hashed as a logical block below ``sink_blocks``, per ``hashed_as``) counts as a target block: every
+    hit of its prefix needs it."""
+    hashed_as = {} if hashed_as is None else hashed_as
     get_new_blocks, offences = pool.get_new_blocks, []
+
+    def window(block_id: int, block_hash) -> bool:
+        return get_group_id(block_hash) == ring_group and hashed_as.get(block_id, sink_blocks) >= sink_blocks
 
     def checked(num_blocks: int):
         before = {block.block_id: block.block_hash for block in pool.blocks if block.ref_cnt == 0}
         taken = get_new_blocks(num_blocks)
         evicted_target = [b for b in taken if before.get(b.block_id) is not None
-                          and get_group_id(before[b.block_id]) != ring_group]  # fmt: skip
+                          and not window(b.block_id, before[b.block_id])]  # fmt: skip
         windows_left = [b for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None
-                        and get_group_id(b.block_hash) == ring_group]  # fmt: skip
+                        and window(b.block_id, b.block_hash)]  # fmt: skip
         if evicted_target and windows_left:
             offences.append(len(evicted_target))
         return taken
@@ -329,3 +342,84 @@ def test_a_tail_whose_blocks_another_running_ring_adopted_still_serves_its_next_
     # B's copies of the prompt blocks lost their hashes when it moved on or was freed: C's stay, one per hash
     hashes = ring_hashes(sched)
     assert hashes and len(set(hashes)) == len(hashes), "a ring block cached twice under one hash"
+
+
+SINKS = 20  # two sink blocks of 16; positions 20 .. 31 sit in the second one, seen only through the window
+SINK_BLOCKS = 2
+
+
+@pytest.mark.parametrize("pool_blocks", [400, 90], ids=["roomy", "tight"])
+def test_sink_blocks_are_hashed_and_adopted_and_every_read_is_of_its_own_prefix(pool_blocks):
+    """With sinks (``RINGKV_DRAFTER_FULL_SINKS``) every query also reads positions 0 .. 19, held for life in the two
+    sink blocks: the audit checks those reads too, and every hashed sink block holds its own prefix's K/V, so a hit
+    that adopted no sink block (a fresh one in its column) or one in the wrong column fails a read."""
+    sched, ring, audit, record, _ = drive(pool_blocks, cache_ring=True, abort_at=30, sink_tokens=SINKS)
+    assert ring.sink_blocks == SINK_BLOCKS
+    assert audit.reads_checked > 1000 and audit.sink_reads_checked > 500
+    assert any(j < SINK_BLOCKS for j in audit.hashed_as.values()), "no sink block was hashed"
+    assert record["adopted_sinks"] > 0, "no sink block was adopted: the scenario does not exercise the cache"
+    assert record["adopted"] > record["adopted_sinks"], "no window block was adopted beside the sink blocks"
+    assert record["accounting"] == [] and record["target_evicted_beside_windows"] == []
+    assert record["peak_held"] <= SINK_BLOCKS + RING_BLOCKS
+    if pool_blocks == 90:
+        assert record["preemptions"] > 0
+    pool = sched.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool_blocks - 1 and not ring.rings
+    hashes = ring_hashes(sched)
+    assert hashes and len(set(hashes)) == len(hashes), "a ring block cached twice under one hash"
+
+
+def test_sinks_hit_as_far_as_the_sinkless_cached_ring_and_keep_a_bounded_share():
+    """The same traffic with and without sinks: every request hits as many tokens (the sink blocks of its prefix are
+    cached wherever its window is); the sink blocks a conversation's turns and branches share are cached once."""
+    sinks = drive(400, cache_ring=True, sink_tokens=SINKS)
+    plain = drive(400, cache_ring=True)
+    hits, plain_hits = sinks[3]["hit_by_request"], plain[3]["hit_by_request"]
+    print(f"hits: sinks {sum(hits.values())}, sinkless {sum(plain_hits.values())}")  # noqa: T201 -- the figure (-rP)
+    assert hits.keys() == plain_hits.keys() and sum(hits.values()) > 0
+    assert all(hits[request_id] >= plain_hits[request_id] for request_id in hits), (hits, plain_hits)
+    # one window per conversation branch (as without sinks), plus the sink blocks of each distinct prefix
+    assert 0 < unheld_hashed_ring_blocks(sinks[0]) <= RING_BLOCKS * (3 * 2 + 2) + SINK_BLOCKS * (3 + 1)
+
+
+def test_sinks_without_the_cached_ring_take_no_hit():
+    """``RINGKV_RING_PREFIX_CACHE=0``: only a recompute from the first token rebuilds the sink blocks, so every hit
+    is capped to 0 (``rebuild_cap``), and every read is still of its own prefix."""
+    _, _, audit, record, _ = drive(400, cache_ring=False, sink_tokens=SINKS)
+    assert record["hits"] == record["adopted"] == 0 and audit.sink_reads_checked > 500
+
+
+def second_turn_hit(evict_a_sink_block: bool) -> int:
+    """The hit of a conversation's second turn with sinks, its first turn's second sink block evicted or not."""
+    sched, hasher = scheduler(400, cache_ring=True, sink_tokens=SINKS)
+    ring = drafter_manager(sched.kv_cache_manager)
+    rng = random.Random(1)
+    first = make_request("t0", [rng.randrange(3, 1000) for _ in range(150)], max_tokens=30, block_hasher=hasher)
+    sched.add_request(first)
+    audit = RingAudit(group=len(sched.kv_cache_config.kv_cache_groups) - 1, block_size=DRAFTER.kv_block_size,
+                      window=DRAFTER.window, lookahead=DRAFTER.lookahead, drafter_max_len=4096,
+                      sink_tokens=SINKS)  # fmt: skip
+    audit.watch_hashing(ring.block_pool)
+    seen: dict[str, int] = {}
+
+    def on_step(output) -> None:
+        for new in output.scheduled_new_reqs:
+            seen[new.req_id] = new.num_computed_tokens
+
+    def submit(sched_) -> None:
+        if first.is_finished() and "t1" not in seen and not sched_.requests:
+            if evict_a_sink_block:
+                sink = next(block for block in ring.block_pool.blocks if audit.hashed_as.get(block.block_id) == 1)
+                ring.block_pool.evict_blocks({sink.block_id})
+            prompt = [*first.all_token_ids, *(rng.randrange(3, 1000) for _ in range(20))]
+            sched_.add_request(make_request("t1", prompt, max_tokens=5, block_hasher=hasher))
+
+    run(sched, audit, submit, rng, on_step=on_step)
+    return seen["t1"]
+
+
+def test_a_hit_needs_the_sink_blocks_of_its_prefix():
+    """A conversation's second turn adopts its first turn's sink blocks and window; once a sink block of the prefix
+    lost its hash (evicted), no hit is served at all: the window alone would leave positions 16 .. 19 unread."""
+    kept, evicted = second_turn_hit(False), second_turn_hit(True)
+    assert kept > 64 and evicted == 0, (kept, evicted)

@@ -6,7 +6,11 @@ counters and every drafter attention output must match it, forward by forward.
 
 With ``RINGKV_DRAFTER_FULL_SINKS`` (S = 5, one sink block of 32 beside the ring) vLLM has no attention to compare
 with; the oracle is the dense masked attention (``kernels.oracle``) over the K/V vLLM handed the ring, kept by
-position as they were stored (the probe's ``record_inputs``), forward by forward."""
+position as they were stored (the probe's ``record_inputs``), forward by forward.
+
+Prefix caching is on: after the first wave, the first prompt's conversation takes a second turn (its prompt, reply
+and 4 tokens), which hits the prefix cache: on the windowed ring it adopts the cached window; with sinks it adopts
+the first turn's sink block and window, and the oracle reads those positions as the first turn stored them."""
 
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ WINDOW = 64  # Wf: the prompts below run past it many times
 BLOCK = 32
 RING_BLOCKS = ring_blocks_needed(WINDOW, BLOCK, lookahead=FULL.draft_block)
 PROMPT_LENGTHS = (300, 97, 420)
+TURN = 4  # the second turn's new tokens: 344 tokens, whose first query sees keys from 281 (block 8) on
 SINKS = 5  # not a multiple of the block: the sink block holds positions 5 .. 31 too, which only the window shows
 SINK_BLOCKS = sink_block_count(SINKS, BLOCK)
 
@@ -53,14 +58,17 @@ def runs(full_chain_models, tmp_path_factory):
     (declared / "config.json").write_text(json.dumps(config))
     generator = random.Random(3)
     prompts = [[generator.randrange(3, FULL.vocab_size - 1) for _ in range(n)] for n in PROMPT_LENGTHS]
+    turn = [generator.randrange(3, FULL.vocab_size - 1) for _ in range(TURN)]
     base = EngineRunSpec(target=str(models.target), drafter=str(models.drafter), drafter_backend="ring",
-                         prompts=prompts, max_tokens=40, kv_block_size=BLOCK)  # fmt: skip
+                         prompts=prompts, later_waves=[[turn]], continued_slots=[0], max_tokens=40,
+                         kv_block_size=BLOCK, enable_prefix_caching=True)  # fmt: skip
     layers = drafter_layer_names(FULL.target_layers, FULL.drafter_layers)
     window = {"RINGKV_DRAFTER_FULL_WINDOW": str(WINDOW)}
     specs = {"windowed": replace(base, environment=window),
              "declared": replace(base, drafter=str(declared), drafter_backend="stock")}  # fmt: skip
     runs = {name: run_engine(spec, drafter_layers=layers) for name, spec in specs.items()}
-    # one request, so the probe's context rows are that request's by position alone
+    # one request at a time (the first prompt, then its second turn), so the probe's context rows are that request's
+    # by position alone (the second turn's below its hit: the first turn's, which it adopted)
     sinks = replace(base, prompts=prompts[:1], environment={**window, "RINGKV_DRAFTER_FULL_SINKS": str(SINKS)})
     runs["sinks"] = run_engine(sinks, drafter_layers=layers, record_inputs=True)
     return runs
@@ -100,9 +108,26 @@ def test_sinks_hold_their_block_beside_the_ring(runs):
 
 
 def test_sinks_change_the_drafts_never_the_tokens(runs):
+    """Both turns: the first prompt's reply and its second turn's (the fourth request of the other runs)."""
     sinks, windowed, declared = runs["sinks"], runs["windowed"], runs["declared"]
-    assert sinks.tokens == windowed.tokens[:1] == declared.tokens[:1]
+    assert sinks.prompts == [windowed.prompts[0], windowed.prompts[3]]
+    assert sinks.tokens == [windowed.tokens[0], windowed.tokens[3]] == [declared.tokens[0], declared.tokens[3]]
     assert sinks.spec_decode["drafts"] > 5 and 0 < sinks.acceptance < 1, sinks.spec_decode
+
+
+def turn_hit(run) -> tuple[int, int]:
+    """The second turn's (hit, tokens) at admission."""
+    second = [a for a in run.admissions if a.num_tokens == PROMPT_LENGTHS[0] + 40 + TURN]
+    assert len(second) == 1 and not second[0].resumed, run.admissions
+    return second[0].hit, second[0].num_tokens
+
+
+def test_with_sinks_the_second_turn_hits_as_far_as_the_windowed_ring(runs):
+    """The second turn adopts the sink block and the cached window: its hit passes the rebuild cap
+    (``N - (Wf - 1)``; a hit that left the sink block to recompute would be 0) and is the sinkless windowed ring's."""
+    (hit, num_tokens), (windowed_hit, _) = turn_hit(runs["sinks"]), turn_hit(runs["windowed"])
+    print(f"second turn of {num_tokens} tokens: hit {hit} with sinks, {windowed_hit} without")  # noqa: T201 -- -rP
+    assert hit >= windowed_hit and hit > num_tokens - (WINDOW - 1), (hit, windowed_hit, num_tokens)
 
 
 def masked_oracle(forward: ForwardInputs, history: dict[int, tuple[torch.Tensor, torch.Tensor]], sink_tokens: int):

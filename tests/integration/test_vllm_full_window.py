@@ -110,17 +110,21 @@ def test_sink_blocks_are_counted_beside_the_ring_at_admission():
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True)),
-         "SINKS=5 with prefix caching on.*--no-enable-prefix-caching, or unset RINGKV_DRAFTER_FULL_SINKS"),
         (SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="OffloadingConnector")),
          "SINKS=5 with the KV connector OffloadingConnector.*Remove --kv-transfer-config"),
         (SimpleNamespace(use_v2_model_runner=True), "SINKS=5 on Model Runner V2.*run V1, or unset"),
     ],
-    ids=["prefix-caching", "connector", "model-runner-v2"],
+    ids=["connector", "model-runner-v2"],
 )  # fmt: skip
 def test_sinks_refused_beside_what_skips_their_recompute(config, message):
     with pytest.raises(RingConfigError, match=message):
         full_window.check_sinks_config(full_window.DrafterFullWindow(window=64, sinks=5), config)
+
+
+def test_sinks_are_served_with_prefix_caching_on():
+    """The sink blocks join the prefix cache (test_vllm_cached_ring.py, test_vllm_engine_full_window.py)."""
+    config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True), use_v2_model_runner=False)
+    full_window.check_sinks_config(full_window.DrafterFullWindow(window=64, sinks=5), config)
 
 
 def test_refused_when_the_drafters_full_layers_are_not_on_the_ring(monkeypatch, on_ring):

@@ -12,6 +12,7 @@ from ringkv.kernels.ring_geometry import (
     RingPlan,
     block_column,
     first_visible_position,
+    longest_rebuilding_prefix_hit,
     sinks_below_window,
     visible,
 )
@@ -120,6 +121,17 @@ def test_visible_with_sinks():
     assert k[visible(q, k, 5, causal=False, sink_tokens=3)].tolist() == [0, 1, 2, *range(16, 25)]
     # a query before the sinks end sees no later sink when causal
     assert k[visible(torch.tensor([[1]]), k, 1, causal=True, sink_tokens=3)].tolist() == [0, 1]
+
+
+def test_a_prefix_hit_needs_the_sink_blocks_and_the_window():
+    """W 64, bs 16, S 20 (two sink blocks): a request of 200 tokens, whose first query sees keys from 137 (block 8)
+    on, needs blocks 0, 1 and 8.. from a hit; a recompute rebuilds the sinks only from the first token."""
+    plan = RingPlan(64, 16, 4, sink_tokens=20)
+    assert [j for j in range(13) if plan.hit_needs_block(j, 200)] == [0, 1, 8, 9, 10, 11, 12]
+    assert [j for j in range(13) if RingPlan(64, 16, 4).hit_needs_block(j, 200)] == [8, 9, 10, 11, 12]
+    # a request still inside its first window needs every block
+    assert all(plan.hit_needs_block(j, 50) for j in range(4))
+    assert (longest_rebuilding_prefix_hit(200, 64), longest_rebuilding_prefix_hit(200, 64, sink_tokens=20)) == (137, 0)
 
 
 def test_live_span():
