@@ -24,6 +24,7 @@ from ._compat import (
 )
 from .errors import RingConfigError
 from .names import BACKEND_PATH
+from .ring_spec import ring_prefix_cache_enabled
 
 WINDOW_ENV = "RINGKV_DRAFTER_FULL_WINDOW"
 SINKS_ENV = "RINGKV_DRAFTER_FULL_SINKS"
@@ -111,8 +112,17 @@ def check_sinks_config(option: DrafterFullWindow, vllm_config: Any) -> None:
     """Refuse what sink blocks cannot be served beside: a connector's load skips the recompute of the sink tokens,
     and no connector moves a ring's sink blocks; Model Runner V2 was not run with them. Prefix caching is served:
     the sink blocks are hashed and adopted as a cached ring's window blocks are (``cached_ring.py``), and without
-    ``RINGKV_RING_PREFIX_CACHE`` every hit is capped to 0 (``prefix_cache.rebuild_cap``)."""
+    ``RINGKV_RING_PREFIX_CACHE`` every hit, the target's included, would be capped to 0 (``prefix_cache.
+    rebuild_cap``): refused, since prefix caching could not take effect."""
     setting = f"{SINKS_ENV}={option.sinks}"
+    cache = getattr(vllm_config, "cache_config", None)
+    if getattr(cache, "enable_prefix_caching", False) and not ring_prefix_cache_enabled():
+        raise RingConfigError(
+            f"ringkv: {setting} with prefix caching on and RINGKV_RING_PREFIX_CACHE=0: only a recompute from token 0 "
+            "rebuilds the sink blocks, so every prefix hit, the target's included, would be 0. Unset "
+            f"RINGKV_RING_PREFIX_CACHE (the sink blocks join the prefix cache), start vLLM with "
+            f"--no-enable-prefix-caching, or unset {SINKS_ENV}"
+        )
     if vllm_config is not None and uses_model_runner_v2(vllm_config):
         raise RingConfigError(
             f"ringkv: {setting} on Model Runner V2: sink blocks are served and tested on vLLM's V1 model runner only "

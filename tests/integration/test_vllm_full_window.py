@@ -121,6 +121,16 @@ def test_sinks_refused_beside_what_skips_their_recompute(config, message):
         full_window.check_sinks_config(full_window.DrafterFullWindow(window=64, sinks=5), config)
 
 
+def test_sinks_refused_with_prefix_caching_on_and_the_cached_ring_off(monkeypatch):
+    """Every hit, the target's included, would be 0: prefix caching could not take effect."""
+    monkeypatch.setenv("RINGKV_RING_PREFIX_CACHE", "0")
+    config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True), use_v2_model_runner=False)
+    with pytest.raises(RingConfigError, match=r"SINKS=5 with prefix caching on and RINGKV_RING_PREFIX_CACHE=0.*Unset"):
+        full_window.check_sinks_config(full_window.DrafterFullWindow(window=64, sinks=5), config)
+    config.cache_config.enable_prefix_caching = False
+    full_window.check_sinks_config(full_window.DrafterFullWindow(window=64, sinks=5), config)
+
+
 def test_sinks_are_served_with_prefix_caching_on():
     """The sink blocks join the prefix cache (test_vllm_cached_ring.py, test_vllm_engine_full_window.py)."""
     config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True), use_v2_model_runner=False)
