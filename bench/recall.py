@@ -122,7 +122,7 @@ def recall_acceptance(
     context_windows: Annotated[
         list[int] | None, typer.Option("--context-windows", help="contexts in windows of W = 64 (repeat the flag)")
     ] = None,
-    train_steps: Annotated[int | None, typer.Option(help="the drafter's training steps [default: 200]")] = None,
+    train_steps: Annotated[int | None, typer.Option(help="the drafter's training steps [default: 800]")] = None,
     report_only: Annotated[bool, typer.Option(help="write the table and plot from the rows; run nothing")] = False,
 ) -> None:
     """Acceptance of a recall drafter, full vs windowed full-attention layers (with and without sinks), at

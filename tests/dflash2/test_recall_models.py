@@ -54,3 +54,25 @@ def test_blocks_cut_in_one_shared_context_equal_each_block_over_its_prefix():
                 inputs = embeddings[s, cut][None].expand(block, -1)
                 want = drafter.forward_block(alone, inputs, [int(positions[cut])], block)
                 torch.testing.assert_close(shared[s, i], want, rtol=0, atol=1e-5)
+
+
+def test_every_training_step_draws_sequences_it_has_not_seen(monkeypatch):
+    """A fixed bank of sequences let the drafter memorize their segments (training accuracy 1.00, nothing accepted
+    on new prompts): each step must draw its own, so the accuracy training reports is on unseen sequences."""
+    from ringkv.dflash2.harness import recall_models
+    from ringkv.dflash2.harness.recall_target import RecallTargetSpec, build_recall_target
+
+    target_spec = RecallTargetSpec(vocab_size=64, recall_tokens=50, max_positions=4096)
+    spec = recall_models.RecallModelSpec(target=target_spec, train_steps=3, batch=2, cuts=2)
+    drawn = []
+    fresh_group = recall_models._fresh_group
+
+    def spy(*args):
+        group = fresh_group(*args)
+        drawn.append(group.segments)
+        return group
+
+    monkeypatch.setattr(recall_models, "_fresh_group", spy)
+    recall_models.train_recall_drafter(spec, build_recall_target(target_spec))
+    assert len(drawn) == 3
+    assert all(not torch.equal(a, b) for i, a in enumerate(drawn) for b in drawn[i + 1 :])
