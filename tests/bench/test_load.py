@@ -178,6 +178,10 @@ def test_nearest_rank():
         pytest.param(["--offload-multiple", "0"], "--offload-multiple 0.0 must be > 0", id="offload-multiple"),
         pytest.param(["--target-kv-block-size", "40"], "multiple of --drafter-kv-block-size", id="target-block"),
         pytest.param(["--repeats", "0"], "--repeats 0 must be >= 1", id="repeats"),
+        pytest.param(["--full-window", "100"], "--full-window 100 is below --window 2048", id="full-window"),
+        pytest.param(["--sinks", "4"], "--sinks 4 without --full-window", id="sinks-alone"),
+        pytest.param(["--full-window", "4096", "--sinks", "4"], "add --no-prefix-caching", id="sinks-cached"),
+        pytest.param(["--no-prefix-caching", "--mode", "ring-cached"], "need the prefix cache", id="ring-cached-nopc"),
     ],
 )
 def test_bad_inputs_name_the_flag(flags, message, tmp_path):
