@@ -57,4 +57,5 @@ def test_at_262144_tokens_the_ring_holds_its_bound_and_stock_the_whole_context(s
 def test_ring_requests_are_preempted_with_prefix_caching_on():
     ring = [row for row in measured("load_w2048_wf8192") if row["mode"] != "stock"]
     assert {row["mode"] for row in ring if row["preemptions"]} == {"ring-today", "ring-cached"}
-    assert {row["workload"] for row in ring if row["preemptions"]} >= {"chat", "long"}
+    # the 262,144-token requests wait for room rather than being preempted (none at any pool)
+    assert {row["workload"] for row in ring if row["preemptions"]} == {"chat", "agentic"}
