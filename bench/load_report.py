@@ -106,7 +106,7 @@ def table(rows: list[Row], options: LoadOptions, search: str) -> Table:
 def write_text(path: Path, grid: Table, header: list[str]) -> Path:
     with path.open("w") as handle:
         handle.write("\n".join(header) + "\n")
-        Console(file=handle, width=250).print(grid)
+        Console(file=handle, width=300).print(grid)
     return path
 
 
