@@ -76,6 +76,19 @@ def load(
     max_num_seqs: int = typer.Option(LoadOptions.max_num_seqs, help="most requests running at once"),
     conversations: int = typer.Option(LoadOptions.conversations, help="0: the workload's own; else its first N"),
     seed: Seed = LoadOptions.seed,
+    full_window: int = typer.Option(
+        LoadOptions.full_window,
+        help="a mixed drafter: a full-attention group beside the sliding one, windowed to "
+        "this many keys in the ring modes (RINGKV_DRAFTER_FULL_WINDOW; >= --window); 0: #55800's drafter",
+    ),
+    sinks: int = typer.Option(
+        LoadOptions.sinks,
+        help="sink tokens of the windowed full group (0 .. --full-window; "
+        "RINGKV_DRAFTER_FULL_SINKS): needs --no-prefix-caching",
+    ),
+    prefix_caching: bool = typer.Option(
+        LoadOptions.prefix_caching, help="vLLM's prefix cache (off: stock and ring-today only)"
+    ),
     repeats: int = typer.Option(LoadOptions.repeats, help="runs of the whole table; their rows must be identical"),
     jobs: int = typer.Option(LoadOptions.jobs, help="cells running at once (each in a process of its own)"),
     out: Path = typer.Option(Path("bench") / "results", help="folder for the tables, the JSONL rows and the plot"),
@@ -86,7 +99,9 @@ def load(
     OffloadingConnector beside the prefix cache (stock-offload, ring-offload: a CPU tier of --offload-multiple x the
     base pool), at pools given as multiples of the base pool: the smallest where stock neither preempts nor evicts
     (found by search). Each cell in a process of its
-    own; the table runs --repeats times and exits 1 unless every repeat's rows are identical.
+    own; the table runs --repeats times and exits 1 unless every repeat's rows are identical, every request of a
+    ring group held at most its bound ns + R drafter blocks at every step, and every block was back in the pool at
+    the end.
 
     Columns: recomputed target tokens = target tokens computed (scheduled minus rejected drafts) minus the distinct
     prefixes among all requests' computed tokens (what an unbounded token-exact cache would leave); per-turn
@@ -102,8 +117,26 @@ def load(
         ("--num-speculative-tokens", num_speculative_tokens, 1), ("--target-groups", target_groups, 1),
         ("--target-kv-block-size", target_kv_block_size, 1), ("--max-num-batched-tokens", max_num_batched_tokens, 1),
         ("--max-num-seqs", max_num_seqs, 1), ("--conversations", conversations, 0), ("--repeats", repeats, 1),
-        ("--jobs", jobs, 1),
+        ("--jobs", jobs, 1), ("--full-window", full_window, 0), ("--sinks", sinks, 0),
     ])  # fmt: skip
+    require(
+        not full_window or full_window >= window,
+        f"--full-window {full_window} is below --window {window}: a "
+        "full-attention layer would see less than a sliding one; give --full-window >= --window, or 0",
+    )
+    require(not sinks or full_window, f"--sinks {sinks} without --full-window: sinks belong to the windowed full group")
+    require(sinks <= full_window, f"--sinks {sinks} exceeds --full-window {full_window}; give --sinks <= --full-window")
+    require(
+        not sinks or not prefix_caching,
+        f"--sinks {sinks} with prefix caching on, which the plugin refuses "
+        "(full_window.check_sinks_config); add --no-prefix-caching",
+    )
+    cached = sorted(m for m in mode if m not in ("stock", "ring-today"))
+    require(
+        prefix_caching or not cached,
+        f"--no-prefix-caching with --mode {', '.join(cached)}, which need the "
+        "prefix cache; give --mode stock --mode ring-today",
+    )
     for flag, given, known in (("--workload", workload, WORKLOAD_NAMES), ("--mode", mode, MODE_NAMES)):
         unknown = sorted(set(given) - set(known))
         require(not unknown, f"{flag} {', '.join(unknown)} is not one of {', '.join(known)}")
@@ -124,16 +157,16 @@ def load(
         drafter_kv_block_size=drafter_kv_block_size, num_speculative_tokens=num_speculative_tokens,
         target_groups=target_groups, target_kv_block_size=target_kv_block_size,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, conversations=conversations,
-        seed=seed, repeats=repeats, jobs=jobs,
+        seed=seed, full_window=full_window, sinks=sinks, prefix_caching=prefix_caching, repeats=repeats, jobs=jobs,
     )  # fmt: skip
     with Progress(console=console(), transient=True) as bar:
         task = bar.add_task("searches and cells", total=cell_count(options))
-        _, files, identical = run(options, out, on_cell=lambda: bar.advance(task))
+        _, files, ok = run(options, out, on_cell=lambda: bar.advance(task))
     for path in files:
         if path.suffix == ".txt":
             console().print(path.read_text())
         console().print(f"wrote {path}")
-    if not identical:
+    if not ok:
         raise typer.Exit(1)
 
 

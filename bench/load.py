@@ -6,9 +6,11 @@ pool: the smallest where stock neither preempts nor evicts (``cells.search_base_
 
 Every cell (workload, mode, pool) runs in a process of its own (a fresh child of a fork server that has imported
 vLLM and run nothing), and the whole table runs ``repeats`` times; the rows of every repeat must be identical.
-Per workload the table goes to ``load_w{W}[_{workload}]_cpu.txt`` (the chat workload's without the suffix),
-headed by the command and the commit; every row of every repeat to ``load_w{W}.jsonl``; the plot to
-``load_w{W}.png`` (``load_report.py``).
+Per workload the table goes to ``{stem}[_{workload}]_cpu.txt`` (the chat workload's without the suffix),
+headed by the command and the commit; every row of every repeat to ``{stem}.jsonl``; the plot to ``{stem}.png``
+(``load_report.py``); ``stem`` is ``load_w{W}`` for #55800's drafter (``LoadOptions.stem``). The command fails
+(``run``'s ``ok``) unless every repeat gives identical rows, no request of a ring group held more than its bound
+``ns + R`` at any step, and every block was back in the pool at the end.
 """
 
 from __future__ import annotations
@@ -35,9 +37,24 @@ CELL_MODULE = "ringkv.bench.lab.simulation.cells"
 HASH_SEED = "0"
 
 
-def text_name(window: int, workload: str) -> str:
+def text_name(stem: str, workload: str) -> str:
     """The results file of one workload's table (the chat workload's is the headline, without its name)."""
-    return f"load_w{window}{'' if workload == 'chat' else '_' + workload}_cpu.txt"
+    return f"{stem}{'' if workload == 'chat' else '_' + workload}_cpu.txt"
+
+
+def bound_failures(rows: list[Row]) -> list[str]:
+    """The cells where a request held more drafter blocks than its ring group's bound at some step, or blocks
+    stayed out of the pool at the end, as ``workload/mode/pool: what``."""
+    failures = []
+    for row in rows:
+        if "pool_too_small" in row:
+            continue
+        cell = f"{row['workload']}/{row['mode']}/{row['pool_blocks']}"
+        if row["requests_over_bound"]:
+            failures.append(f"{cell}: {row['requests_over_bound']} (step, request, group) over the ring's bound")
+        if row["leaked_blocks"]:
+            failures.append(f"{cell}: {row['leaked_blocks']} blocks not back in the pool")
+    return failures
 
 
 @dataclass
@@ -147,10 +164,10 @@ def cell_count(options: LoadOptions) -> int:
 def run(
     options: LoadOptions, out: Path, on_cell: Callable[[], None] | None = None
 ) -> tuple[list[Row], list[Path], bool]:
-    """Measure and write the text tables, the JSONL rows and the plot into ``out``; returns (rows, the files,
-    whether every repeat gave identical rows)."""
+    """Measure and write the text tables, the JSONL rows and the plot into ``out``; returns (rows, the files, ok:
+    every repeat gave identical rows and no cell has ``bound_failures``)."""
     rows, searches = measure(options, on_cell)
-    differ = differing_repeats(rows)
+    differ, failures = differing_repeats(rows), bound_failures(rows)
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
     header = [
@@ -160,11 +177,13 @@ def run(
     ]
     identical = (f"{options.repeats} runs of the table, each cell in a process of its own: "
                  + (f"rows DIFFER at {', '.join(differ)}" if differ else "every row identical"))  # fmt: skip
+    bounds = ("Drafter blocks per request within each ring group's ns + R at every step, every block back in the pool "
+              "at the end: " + ("; ".join(failures) if failures else "yes, in every cell"))  # fmt: skip
     recorded = [{**row, "identical_repeats": not differ, "options": asdict(options)} for row in rows]
-    files = [write_jsonl(out / f"load_w{options.window}.jsonl", recorded)]
+    files = [write_jsonl(out / f"{options.stem}.jsonl", recorded)]
     for workload in options.workload:
         first = [r for r in rows if r["workload"] == workload and r["repeat"] == 1]
         grid = table(first, options, searches[workload].describe())
-        files.append(write_text(out / text_name(options.window, workload), grid, [*header, identical]))
-    files.append(plot([r for r in rows if r["repeat"] == 1], out / f"load_w{options.window}.png"))
-    return rows, files, not differ
+        files.append(write_text(out / text_name(options.stem, workload), grid, [*header, identical, bounds]))
+    files.append(plot([r for r in rows if r["repeat"] == 1], out / f"{options.stem}.png"))
+    return rows, files, not differ and not failures

@@ -21,6 +21,15 @@ def pair(row: Row, first: str, second: str, spec: str = ",") -> str:
     return f"{format(row[first], spec)} / {format(row[second], spec)}"
 
 
+def per_request(row: Row) -> str:
+    """Most drafter blocks one request held at a step, the sliding group then a mixed drafter's full group, each
+    with its ring bound (``ns + R``) where it has one."""
+    groups = [("sliding", row["sliding_peak_per_request"], row["sliding_bound"])]
+    if row["full_peak_per_request"]:
+        groups.append(("full", row["full_peak_per_request"], row["full_bound"]))
+    return " / ".join(f"{peak:,}" + (f" (<= {bound:,})" if bound else "") for _, peak, bound in groups)
+
+
 # (column title, the cell of a measured row)
 COLUMNS = (
     ("recomputed target tokens", lambda r: f"{r['recomputed_tokens']:,}"),
@@ -29,6 +38,8 @@ COLUMNS = (
     ("steps", lambda r: f"{r['steps']:,}"),
     ("running peak / mean", lambda r: pair(r, "peak_running", "mean_running", ".1f").replace(".0 /", " /", 1)),
     ("drafter blocks held peak / mean", lambda r: f"{r['peak_drafter_blocks']:,} / {r['mean_drafter_blocks']:,.0f}"),
+    ("drafter blocks per request, most: sliding / full (ring bound)", per_request),
+    ("leaked blocks", lambda r: f"{r['leaked_blocks']:,}"),
     ("unheld hashed drafter blocks end / peak",
      lambda r: pair(r, "unheld_drafter_blocks_end", "unheld_drafter_blocks_peak")),
     ("conversations cached end / at peak",
@@ -53,6 +64,16 @@ def target_line(rows: list[Row]) -> str:
             f"<= stock, worst ring-cached / stock {max(ratios):.3f}: {'met' if met else 'NOT met'}")  # fmt: skip
 
 
+def mixed_line(row: Row, options: LoadOptions) -> str:
+    """A mixed drafter's full-attention group: how each mode keeps it."""
+    sinks = f" + {options.sinks} sinks" if options.sinks else ""
+    return (
+        f"mixed drafter: a full-attention group beside the sliding one, vLLM's FullAttentionSpec in the stock "
+        f"modes, in the ring modes windowed to Wf {options.full_window}{sinks} (RINGKV_DRAFTER_FULL_WINDOW): "
+        f"bound ns + R = {row['full_row_blocks']:,} blocks per request"
+    )
+
+
 def table(rows: list[Row], options: LoadOptions, search: str) -> Table:
     """One workload's rows (one repeat), pool then mode order."""
     from ringkv.bench.lab.simulation.workloads import WORKLOADS
@@ -64,7 +85,8 @@ def table(rows: list[Row], options: LoadOptions, search: str) -> Table:
         f"drafter W {options.window} / block {options.drafter_kv_block_size} / N {options.num_speculative_tokens} "
         f"(R = {rows[0]['ring_blocks']}), {options.target_groups} target groups x block "
         f"{options.target_kv_block_size}, chunk {options.max_num_batched_tokens}, max {options.max_num_seqs} running, "
-        f"prefix caching on, seed {options.seed}",
+        f"prefix caching {'on' if options.prefix_caching else 'off'}, seed {options.seed}",
+        *([mixed_line(rows[0], options)] if options.full_window else []),
         search,
     ]
     if target := target_line(rows):
@@ -84,7 +106,7 @@ def table(rows: list[Row], options: LoadOptions, search: str) -> Table:
 def write_text(path: Path, grid: Table, header: list[str]) -> Path:
     with path.open("w") as handle:
         handle.write("\n".join(header) + "\n")
-        Console(file=handle, width=250).print(grid)
+        Console(file=handle, width=300).print(grid)
     return path
 
 

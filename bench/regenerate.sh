@@ -44,12 +44,21 @@ run() {
     recall-acceptance) rm -f "$results/recall_acceptance.jsonl" && "$ringkv" bench recall-acceptance ;;
     cpu-figures) "$ringkv" bench cpu-figures ;;
     load) "$ringkv" bench load ;;
+    # issue 38: a mixed drafter, its full-attention group windowed to 8192 (with prefix caching; with 64 sinks without)
+    load-window)
+      "$ringkv" bench load --workload chat --workload agentic --workload long --mode stock --mode ring-today \
+        --mode ring-cached --pool-multiple 0.03125 --pool-multiple 0.0625 --pool-multiple 0.125 --pool-multiple 0.25 \
+        --pool-multiple 0.5 --pool-multiple 1 --full-window 8192 ;;
+    load-window-sinks)
+      "$ringkv" bench load --workload chat --workload long --mode stock --mode ring-today --pool-multiple 0.0625 \
+        --pool-multiple 0.25 --pool-multiple 1 --full-window 8192 --sinks 64 --no-prefix-caching --jobs 1 ;;
     compile-report) "$ringkv" bench compile-report --vllm-source "$(.venv/bin/python -c 'import site; print(site.getsitepackages()[0])')" ;;
     *) echo "regenerate: unknown figure '$1'; give one of: $ALL" >&2; exit 2 ;;
   esac
 }
 
-ALL="admission admission-prefix smoke smoke-fp8 fp8-acceptance recall-acceptance cpu-figures load compile-report e2e"
+ALL="admission admission-prefix smoke smoke-fp8 fp8-acceptance recall-acceptance cpu-figures load load-window load-window-sinks
+  compile-report e2e"
 for name in ${@:-$ALL}; do
   run "$name"
 done

@@ -118,7 +118,7 @@ def test_the_census_counts_evictions_the_share_and_cached_conversations():
     it is not); a drafter-group block with ref_cnt 0 is unheld; a cached first-target-group hash counts each
     conversation that owns it."""
     pool = BlockPool(num_gpu_blocks=4, enable_caching=True, hash_block_size=16)
-    census = CacheCensus(pool, drafter_group=1, ring_blocks=2)
+    census = CacheCensus(pool, drafter_groups=[1], ring_blocks=2)
     drafter, target = pool.get_new_blocks(2)
     # what cache_full_blocks does for one block: the block carries its hash, the map points to it
     pool._insert_block_hash(make_block_hash_with_group_id(b"d" * 32, 1), drafter, num_tokens=16)
@@ -178,6 +178,10 @@ def test_nearest_rank():
         pytest.param(["--offload-multiple", "0"], "--offload-multiple 0.0 must be > 0", id="offload-multiple"),
         pytest.param(["--target-kv-block-size", "40"], "multiple of --drafter-kv-block-size", id="target-block"),
         pytest.param(["--repeats", "0"], "--repeats 0 must be >= 1", id="repeats"),
+        pytest.param(["--full-window", "100"], "--full-window 100 is below --window 2048", id="full-window"),
+        pytest.param(["--sinks", "4"], "--sinks 4 without --full-window", id="sinks-alone"),
+        pytest.param(["--full-window", "4096", "--sinks", "4"], "add --no-prefix-caching", id="sinks-cached"),
+        pytest.param(["--no-prefix-caching", "--mode", "ring-cached"], "need the prefix cache", id="ring-cached-nopc"),
     ],
 )
 def test_bad_inputs_name_the_flag(flags, message, tmp_path):

@@ -48,7 +48,11 @@ class Deployment:
     prefix_caching: bool = False
     # the ring's blocks in vLLM's prefix cache (RingSWASpec.cache_ring); False: every hit capped to rebuild the ring
     cache_ring: bool = False
-    # the ring's sink tokens (a windowed full-attention drafter layer's: RingSWASpec.sink_tokens)
+    # a mixed drafter (issue 38): a full-attention group beside the sliding one, windowed on the ring to
+    # full_window keys (RINGKV_DRAFTER_FULL_WINDOW); vLLM's FullAttentionSpec in the stock drafter; 0: no such group
+    full_window: int = 0
+    # the ring's sink tokens (a windowed full-attention drafter layer's: RingSWASpec.sink_tokens): the full group's
+    # with full_window, else the one drafter group's
     sink_tokens: int = 0
 
     @property
@@ -66,16 +70,39 @@ class Deployment:
         }
         if ring:
             return RingSWASpec(**fields, lookahead=self.drafter.lookahead, cache_ring=self.cache_ring,
-                               sink_tokens=self.sink_tokens)  # fmt: skip
+                               sink_tokens=0 if self.full_window else self.sink_tokens)  # fmt: skip
         if self.stock_drafter == "full":
             del fields["sliding_window"]
             return FullAttentionSpec(**fields)
         return SlidingWindowSpec(**fields)
 
+    def full_drafter_spec(self, ring: bool) -> FullAttentionSpec | RingSWASpec:
+        """A mixed drafter's full-attention group: vLLM's ``FullAttentionSpec`` (stock), or on the ring a window of
+        ``full_window`` plus ``sink_tokens`` sinks, as ``full_window.windowed_drafter_full_layers`` plans it."""
+        fields = {"block_size": self.drafter.kv_block_size, "num_kv_heads": self.drafter.num_kv_heads,
+                  "head_size": self.drafter.head_dim, "dtype": torch.bfloat16}  # fmt: skip
+        if not ring:
+            return FullAttentionSpec(**fields)
+        return RingSWASpec(**fields, sliding_window=self.full_window, lookahead=self.drafter.lookahead,
+                           cache_ring=self.cache_ring, sink_tokens=self.sink_tokens)  # fmt: skip
+
+    @property
+    def drafter_ring_blocks(self) -> int:
+        """R over the drafter's groups on the ring (the sliding group's, plus a windowed full group's)."""
+        full = self.full_drafter_spec(ring=True).plan.ring_blocks if self.full_window else 0
+        return self.drafter.plan.ring_blocks + full
+
+    def drafter_group_ids(self) -> range:
+        """The drafter's KV-cache groups, after the target's: a mixed drafter's full group, then the sliding group
+        (always the last)."""
+        return range(self.target_groups, self.target_groups + 1 + bool(self.full_window))
+
     def kv_cache_config(self, ring: bool) -> KVCacheConfig:
         target = FullAttentionSpec(block_size=self.target_kv_block_size, num_kv_heads=self.drafter.num_kv_heads,
                                    head_size=self.drafter.head_dim, dtype=torch.bfloat16)  # fmt: skip
         groups = [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], target) for i in range(self.target_groups)]
+        if self.full_window:
+            groups.append(KVCacheGroupSpec(["drafter.layers.1.self_attn.attn"], self.full_drafter_spec(ring)))
         groups.append(KVCacheGroupSpec(["drafter.layers.0.self_attn.attn"], self.drafter_spec(ring)))
         return KVCacheConfig(num_blocks=self.pool_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
@@ -101,15 +128,16 @@ def make_request(
     return Request(request_id, tokens, params, None, block_hasher=block_hasher)
 
 
-def drafter_manager(manager: KVCacheManager):
-    """The drafter group's single-type manager (the last group)."""
-    return manager.coordinator.single_type_managers[-1]
+def drafter_manager(manager: KVCacheManager, group_id: int = -1):
+    """A drafter group's single-type manager (default: the sliding group, the last)."""
+    return manager.coordinator.single_type_managers[group_id]
 
 
-def held_rows(manager: KVCacheManager) -> dict[str, list]:
-    """Per request, the drafter group's blocks it holds a reference to: a ring's claimed columns (None until
-    claimed; its row may still name a block it replaced, as the worker's row does), else the row."""
-    group = drafter_manager(manager)
+def held_rows(manager: KVCacheManager, group_id: int = -1) -> dict[str, list]:
+    """Per request, a drafter group's blocks it holds a reference to (default: the sliding group's): a ring's
+    claimed columns (None until claimed; its row may still name a block it replaced, as the worker's row does),
+    else the row."""
+    group = drafter_manager(manager, group_id)
     rings = getattr(group, "rings", None)
     if rings is None:
         return group.req_to_blocks
@@ -121,10 +149,11 @@ def drafter_blocks_held(manager: KVCacheManager, request_id: str) -> int:
     return len({block.block_id for block in held_rows(manager).get(request_id, []) if not block.is_null})
 
 
-def drafter_blocks_in_use(manager: KVCacheManager) -> int:
-    """Distinct physical (non-null) blocks the drafter group holds for all requests together (a block two
-    requests share through the prefix cache counts once)."""
-    return len({block.block_id for row in held_rows(manager).values() for block in row if not block.is_null})
+def drafter_blocks_in_use(manager: KVCacheManager, group_id: int = -1) -> int:
+    """Distinct physical (non-null) blocks a drafter group (default: the sliding one) holds for all requests
+    together (a block two requests share through the prefix cache counts once)."""
+    rows = held_rows(manager, group_id).values()
+    return len({block.block_id for row in rows for block in row if not block.is_null})
 
 
 def admits(deployment: Deployment, ring: bool, num_tokens: int) -> bool:

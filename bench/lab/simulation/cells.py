@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from ringkv.integration.vllm.full_window import DrafterFullWindow, check_sinks_config
 from ringkv.kernels.testing import ISSUE_55800, DrafterShape
 
 from .admission import Deployment
@@ -47,7 +48,8 @@ MODES = {
 class Shape:
     """The deployment and the workload every cell of one table shares (``LoadOptions.shape``, whose flags hold the
     defaults). ``conversations``: 0 takes the workload's own count, a smaller number its first conversations (a
-    tiny run)."""
+    tiny run). ``full_window``: a mixed drafter, a full-attention group beside the sliding one, windowed to
+    ``full_window`` keys plus ``sinks`` sink tokens on the ring (``Deployment.full_window``); 0: #55800's drafter."""
 
     workload: str
     window: int
@@ -59,6 +61,9 @@ class Shape:
     max_num_seqs: int
     conversations: int
     seed: int
+    full_window: int = 0
+    sinks: int = 0
+    prefix_caching: bool = True
 
     @property
     def drafter(self) -> DrafterShape:
@@ -75,8 +80,9 @@ class Shape:
         return Deployment(
             pool_blocks=pool_blocks, target_groups=self.target_groups, target_kv_block_size=self.target_kv_block_size,
             drafter=drafter, max_model_len=longest + 2 * drafter.lookahead,  # room for drafts verified past the end
-            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs, prefix_caching=True,
-            cache_ring=cache_ring,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            prefix_caching=self.prefix_caching, cache_ring=cache_ring, full_window=self.full_window,
+            sink_tokens=self.sinks,
         )  # fmt: skip
 
 
@@ -98,11 +104,17 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         raise ValueError(f"mode {cell.mode} with cpu_blocks={cell.cpu_blocks}: an offloading mode needs a CPU tier, "
                          "another none")  # fmt: skip
     setup = cell.shape.deployment(cell.pool_blocks, mode.cache_ring)
+    # a mixed drafter's full group on the ring: its ns + R, the bound its rows are checked against
+    full_row_blocks = setup.full_drafter_spec(ring=True).plan.row_blocks if setup.full_window else 0
     row: dict[str, Any] = {"workload": cell.shape.workload, "mode": cell.mode, "pool_blocks": cell.pool_blocks,
-                           "cpu_blocks": cell.cpu_blocks, "ring_blocks": setup.drafter.plan.ring_blocks}  # fmt: skip
+                           "cpu_blocks": cell.cpu_blocks, "ring_blocks": setup.drafter.plan.ring_blocks,
+                           "full_row_blocks": full_row_blocks}  # fmt: skip
     config = build_vllm_config(setup)
     if mode.offload:
         enable_offloading(config, setup.kv_cache_config(mode.ring), cell.cpu_blocks)
+    if cell.shape.sinks:
+        # the plugin's own refusal: sinks beside prefix caching or a KV connector
+        check_sinks_config(DrafterFullWindow(cell.shape.full_window, cell.shape.sinks), config)
     try:
         result = run_load(config, setup, mode.ring, cell.shape.conversations_list(), cell.shape.seed)
     except PoolTooSmall as error:

@@ -7,7 +7,8 @@ pool's ``get_new_blocks``:
 
 - **evictions**: cache entries (hash -> block) the pool drops while ``get_new_blocks`` hands out a free block
   that still carried a hash, i.e. a cached block reused for new K/V; counted apart for the target groups and the
-  drafter group. Hashes a manager drops by itself (outside ``get_new_blocks``) are not evictions.
+  drafter groups (a mixed drafter's full-attention group with its sliding one). Hashes a manager drops by itself
+  (outside ``get_new_blocks``) are not evictions.
 - **unheld hashed drafter blocks** (the drafter's share of the cache): distinct blocks holding at least one
   drafter-group entry whose ``ref_cnt`` is 0 (no request holds them; they wait in the free queue).
 - **conversations with cached target blocks**: conversations owning at least one block hash that is cached in
@@ -18,6 +19,7 @@ pool's ``get_new_blocks``:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 from typing import Any
 
 from ._vllm import KVCacheBlock, Request
@@ -32,8 +34,8 @@ def group_of(key: bytes) -> int:
 class CacheCensus:
     """Counts kept while a scheduler runs; ``observe`` after every step and at the end."""
 
-    def __init__(self, block_pool: Any, drafter_group: int, ring_blocks: int) -> None:
-        self.drafter_group = drafter_group
+    def __init__(self, block_pool: Any, drafter_groups: Collection[int], ring_blocks: int) -> None:
+        self.drafter_groups = frozenset(drafter_groups)
         self.ring_blocks = ring_blocks
         self.evictions = Counter({"target": 0, "drafter": 0})
         # block id -> (the block, how many drafter-group entries it has)
@@ -60,7 +62,7 @@ class CacheCensus:
             if block is not None:
                 self._count(key, block, -1)
                 if self._evicting:
-                    self.evictions["drafter" if group_of(key) == self.drafter_group else "target"] += 1
+                    self.evictions["drafter" if group_of(key) in self.drafter_groups else "target"] += 1
             return block
 
         def watched_get_new_blocks(num_blocks: int) -> list[KVCacheBlock]:
@@ -74,7 +76,7 @@ class CacheCensus:
 
     def _count(self, key: bytes, block: KVCacheBlock, sign: int) -> None:
         group = group_of(key)
-        if group == self.drafter_group:
+        if group in self.drafter_groups:
             count = self._drafter_blocks.get(block.block_id, (block, 0))[1] + sign
             if count:
                 self._drafter_blocks[block.block_id] = (block, count)

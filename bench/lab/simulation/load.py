@@ -6,7 +6,9 @@ whatever the pool does to it). Counts what the pool costs the target: preemption
 least (in all and per turn), steps, concurrency, drafter blocks held, prefix-cache hits, and what the prefix
 cache holds (``census.py``): evictions, the drafter's unheld hashed blocks, conversations with cached target
 blocks. With a ``kv_transfer_config`` (``offloading.enable_offloading``) vLLM's ``OffloadingConnector`` runs
-beside the prefix cache (``offloading.Offloading``) and the tokens it loads are counted."""
+beside the prefix cache (``offloading.Offloading``) and the tokens it loads are counted. Per step, per request and
+per drafter group, the blocks held against a ring group's bound, and at the end the blocks not back in the pool
+(``drafter_groups.py``)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from ringkv.kernels.ring_geometry import longest_rebuilding_prefix_hit
 from ._vllm import DraftTokenIds, Request, SchedulerOutput, VllmConfig, runner_output
 from .admission import Deployment, drafter_blocks_in_use, make_request
 from .census import CacheCensus
+from .drafter_groups import DrafterGroupWatch, leaked_blocks
 from .offloading import Offloading
 from .scheduler_run import fake_sample, make_scheduler, request_block_hasher
 from .workloads import Conversation
@@ -40,7 +43,10 @@ class LoadResult:
     counts are ``census.CacheCensus``'s. ``prefix_hit_tokens``: what admissions started from (the local prefix
     cache's hit plus what a connector loaded); ``offload_loaded_tokens``: the connector's part;
     ``offload_offers_past_cap``: the connector's answers reaching past the ring's rebuild cap (``N - (W - 1)``
-    with the local hit; the ring's connector wrap must keep it 0, stock has no such cap)."""
+    with the local hit; the ring's connector wrap must keep it 0, stock has no such cap). ``sliding_*`` / ``full_*``:
+    the drafter's sliding group and a mixed drafter's full-attention group (0 without one), ``DrafterGroupWatch``'s
+    most blocks one request held at a step and the ring's bound ``ns + R`` (0: a stock group, no bound);
+    ``requests_over_bound``: (step, request, group) triples above it; ``leaked_blocks``: not back in the pool."""
 
     requests: int = 0
     steps: int = 0
@@ -52,7 +58,7 @@ class LoadResult:
     turn_recompute_p99: int = 0
     peak_running: int = 0
     running_summed: int = 0  # requests running (admitted, holding KV), summed over steps
-    peak_drafter_blocks: int = 0  # distinct drafter blocks the requests hold (shared ones once)
+    peak_drafter_blocks: int = 0  # distinct drafter blocks the requests hold (shared ones once), every drafter group
     drafter_blocks_summed: int = 0
     prefix_hit_tokens: int = 0
     offload_loaded_tokens: int = 0
@@ -65,6 +71,12 @@ class LoadResult:
     conversations_cached_at_peak: int = 0
     # max over steps of unheld hashed drafter blocks - R x conversations with cached target blocks
     share_excess_peak: int = 0
+    sliding_peak_per_request: int = 0
+    sliding_bound: int = 0
+    full_peak_per_request: int = 0
+    full_bound: int = 0
+    requests_over_bound: int = 0
+    leaked_blocks: int = 0
 
     @property
     def mean_running(self) -> float:
@@ -102,8 +114,8 @@ def run_load(
     scheduler = make_scheduler(config, deployment, ring)
     offloading = Offloading(scheduler) if config.kv_transfer_config is not None else None
     manager = scheduler.kv_cache_manager
-    census = CacheCensus(manager.block_pool, len(manager.kv_cache_config.kv_cache_groups) - 1,
-                         deployment.drafter.plan.ring_blocks)  # fmt: skip
+    census = CacheCensus(manager.block_pool, deployment.drafter_group_ids(), deployment.drafter_ring_blocks)
+    groups = DrafterGroupWatch(manager, deployment.drafter_group_ids())
     hasher = request_block_hasher(config, deployment)
     drafts = deployment.drafter.num_speculative_tokens
     live: dict[str, Live] = {}
@@ -131,9 +143,10 @@ def run_load(
         result.prefix_hit_tokens += admitted_hits(output)
         result.peak_running = max(result.peak_running, len(scheduler.running))
         result.running_summed += len(scheduler.running)
-        held = drafter_blocks_in_use(manager)
+        held = sum(drafter_blocks_in_use(manager, group) for group in deployment.drafter_group_ids())
         result.peak_drafter_blocks = max(result.peak_drafter_blocks, held)
         result.drafter_blocks_summed += held
+        groups.observe()
         ids = list(output.num_scheduled_tokens)
         sampled = []
         for rid in ids:
@@ -173,6 +186,12 @@ def run_load(
     result.unheld_drafter_blocks_peak = census.peak_unheld
     result.conversations_cached_at_peak = census.conversations_at_peak
     result.share_excess_peak = census.peak_excess
+    *full, sliding = groups.groups
+    result.sliding_peak_per_request, result.sliding_bound = sliding.peak_per_request, sliding.bound or 0
+    if full:
+        result.full_peak_per_request, result.full_bound = full[0].peak_per_request, full[0].bound or 0
+    result.requests_over_bound = sum(group.over_bound for group in groups.groups)
+    result.leaked_blocks = leaked_blocks(manager)
     return result
 
 

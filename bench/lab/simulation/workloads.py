@@ -93,6 +93,8 @@ class Workload:
                 f"tokens")  # fmt: skip
 
 
+LONG_TOKENS, LONG_OUTPUT = 262_144, 512  # the long workload's request, prompt and output, and its output
+
 WORKLOADS = {
     # a chat service: most turns add a short message (plus the previous reply), fewer tokens than W = 2048;
     # some paste a document
@@ -108,6 +110,12 @@ WORKLOADS = {
         first=uniform(128, 1024),
         added=Lengths((Part(1.0, 1024, 8192, log=True),)),
         output=uniform(32, 256),
+    ),
+    # vLLM #55800's context: independent requests of 262,144 tokens each (prompt and output), no shared prefix
+    "long": Workload(
+        name="long", conversations=3, system_tokens=0, turns=(1, 1),
+        first=uniform(LONG_TOKENS - LONG_OUTPUT, LONG_TOKENS - LONG_OUTPUT), added=uniform(0, 0),
+        output=uniform(LONG_OUTPUT, LONG_OUTPUT),
     ),
 }  # fmt: skip
 
