@@ -84,7 +84,7 @@ def load(
     sinks: int = typer.Option(
         LoadOptions.sinks,
         help="sink tokens of the windowed full group (0 .. --full-window; "
-        "RINGKV_DRAFTER_FULL_SINKS): needs --no-prefix-caching",
+        "RINGKV_DRAFTER_FULL_SINKS); with prefix caching on, not in ring-today (every hit capped)",
     ),
     prefix_caching: bool = typer.Option(
         LoadOptions.prefix_caching, help="vLLM's prefix cache (off: stock and ring-today only)"
@@ -127,9 +127,16 @@ def load(
     require(not sinks or full_window, f"--sinks {sinks} without --full-window: sinks belong to the windowed full group")
     require(sinks <= full_window, f"--sinks {sinks} exceeds --full-window {full_window}; give --sinks <= --full-window")
     require(
-        not sinks or not prefix_caching,
-        f"--sinks {sinks} with prefix caching on, which the plugin refuses "
-        "(full_window.check_sinks_config); add --no-prefix-caching",
+        not (sinks and prefix_caching and "ring-today" in mode),
+        f"--sinks {sinks} in ring-today with prefix caching on: every hit capped to the rebuild cap, which is 0 with "
+        "sinks, so no request, the target's included, would hit (the plugin refuses RINGKV_RING_PREFIX_CACHE=0 with "
+        "sinks); drop --mode ring-today or add --no-prefix-caching",
+    )
+    offloading = sorted(m for m in mode if "offload" in m)
+    require(
+        not (sinks and offloading),
+        f"--sinks {sinks} with --mode {', '.join(offloading)}: the plugin refuses sinks beside a KV connector (no "
+        "connector moves the sink blocks); drop those modes",
     )
     cached = sorted(m for m in mode if m not in ("stock", "ring-today"))
     require(

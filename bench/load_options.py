@@ -21,7 +21,8 @@ class LoadOptions:
     tier of the offloading modes as a multiple of the base pool (``offload_multiple``, in the pool's blocks).
     ``full_window`` > 0: a mixed drafter (issue 38), a full-attention group beside the sliding one, vLLM's
     ``FullAttentionSpec`` in the stock modes and windowed to ``full_window`` keys plus ``sinks`` sink tokens in the
-    ring modes (``RINGKV_DRAFTER_FULL_WINDOW`` / ``_SINKS``); sinks need ``prefix_caching`` off, as the plugin does."""
+    ring modes (``RINGKV_DRAFTER_FULL_WINDOW`` / ``_SINKS``); the plugin's refusals of sinks hold here
+    (``cells.run_cell``)."""
 
     workload: tuple[str, ...] = WORKLOAD_NAMES[:2]
     mode: tuple[str, ...] = MODE_NAMES

@@ -108,15 +108,17 @@ def windowed_drafter_full_layers(worker: Any, specs: dict[str, Any]) -> tuple[di
     return {name: full_attention_as_sliding(specs[name], option.window) for name in full}, option.sinks
 
 
-def check_sinks_config(option: DrafterFullWindow, vllm_config: Any) -> None:
+def check_sinks_config(option: DrafterFullWindow, vllm_config: Any, cache_ring: bool | None = None) -> None:
     """Refuse what sink blocks cannot be served beside: a connector's load skips the recompute of the sink tokens,
     and no connector moves a ring's sink blocks; Model Runner V2 was not run with them. Prefix caching is served:
     the sink blocks are hashed and adopted as a cached ring's window blocks are (``cached_ring.py``), and without
     ``RINGKV_RING_PREFIX_CACHE`` every hit, the target's included, would be capped to 0 (``prefix_cache.
-    rebuild_cap``): refused, since prefix caching could not take effect."""
+    rebuild_cap``): refused, since prefix caching could not take effect. ``cache_ring``: that switch (None: read
+    from the environment)."""
     setting = f"{SINKS_ENV}={option.sinks}"
     cache = getattr(vllm_config, "cache_config", None)
-    if getattr(cache, "enable_prefix_caching", False) and not ring_prefix_cache_enabled():
+    cache_ring = ring_prefix_cache_enabled() if cache_ring is None else cache_ring
+    if getattr(cache, "enable_prefix_caching", False) and not cache_ring:
         raise RingConfigError(
             f"ringkv: {setting} with prefix caching on and RINGKV_RING_PREFIX_CACHE=0: only a recompute from token 0 "
             "rebuilds the sink blocks, so every prefix hit, the target's included, would be 0. Unset "

@@ -180,7 +180,16 @@ def test_nearest_rank():
         pytest.param(["--repeats", "0"], "--repeats 0 must be >= 1", id="repeats"),
         pytest.param(["--full-window", "100"], "--full-window 100 is below --window 2048", id="full-window"),
         pytest.param(["--sinks", "4"], "--sinks 4 without --full-window", id="sinks-alone"),
-        pytest.param(["--full-window", "4096", "--sinks", "4"], "add --no-prefix-caching", id="sinks-cached"),
+        pytest.param(
+            ["--full-window", "4096", "--sinks", "4", "--mode", "ring-today"],
+            "drop --mode ring-today or add --no-prefix-caching",
+            id="sinks-every-hit-capped",
+        ),
+        pytest.param(
+            ["--full-window", "4096", "--sinks", "4", "--mode", "ring-offload"],
+            "--sinks 4 with --mode ring-offload: the plugin refuses sinks beside a KV connector",
+            id="sinks-offload",
+        ),
         pytest.param(["--no-prefix-caching", "--mode", "ring-cached"], "need the prefix cache", id="ring-cached-nopc"),
     ],
 )

@@ -76,9 +76,15 @@ def test_sinks_without_prefix_caching_hold_their_blocks_beside_the_ring():
     assert row["full_peak_per_request"] == 11 and row["requests_over_bound"] == 0 and row["leaked_blocks"] == 0
 
 
-def test_sinks_with_prefix_caching_are_refused_as_the_plugin_refuses_them():
-    with pytest.raises(RingConfigError, match="--no-enable-prefix-caching"):
+def test_sinks_with_every_hit_capped_are_refused_as_the_plugin_refuses_them():
+    with pytest.raises(RingConfigError, match=r"RINGKV_RING_PREFIX_CACHE=0.*--no-enable-prefix-caching"):
         run_cell(Cell(replace(TINY, sinks=5).shape("chat"), "ring-today", PRESSED))
+
+
+def test_sinks_with_the_cached_ring_hold_the_bound_and_leak_nothing():
+    row = run_cell(Cell(replace(TINY, sinks=5).shape("chat"), "ring-cached", PRESSED))
+    assert row["preemptions"] > 0 and row["prefix_hit_tokens"] > 0
+    assert (row["requests_over_bound"], row["leaked_blocks"]) == (0, 0)
 
 
 def test_a_request_still_holding_blocks_is_a_leak():

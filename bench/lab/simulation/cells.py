@@ -113,8 +113,8 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     if mode.offload:
         enable_offloading(config, setup.kv_cache_config(mode.ring), cell.cpu_blocks)
     if cell.shape.sinks:
-        # the plugin's own refusal: sinks beside prefix caching or a KV connector
-        check_sinks_config(DrafterFullWindow(cell.shape.full_window, cell.shape.sinks), config)
+        # the plugin's own refusals: sinks beside a KV connector, or beside prefix caching with every hit capped
+        check_sinks_config(DrafterFullWindow(cell.shape.full_window, cell.shape.sinks), config, mode.cache_ring)
     try:
         result = run_load(config, setup, mode.ring, cell.shape.conversations_list(), cell.shape.seed)
     except PoolTooSmall as error:
