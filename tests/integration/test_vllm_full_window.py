@@ -114,8 +114,9 @@ def test_sink_blocks_are_counted_beside_the_ring_at_admission():
          "SINKS=5 with prefix caching on.*--no-enable-prefix-caching, or unset RINGKV_DRAFTER_FULL_SINKS"),
         (SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="OffloadingConnector")),
          "SINKS=5 with the KV connector OffloadingConnector.*Remove --kv-transfer-config"),
+        (SimpleNamespace(use_v2_model_runner=True), "SINKS=5 on Model Runner V2.*run V1, or unset"),
     ],
-    ids=["prefix-caching", "connector"],
+    ids=["prefix-caching", "connector", "model-runner-v2"],
 )  # fmt: skip
 def test_sinks_refused_beside_what_skips_their_recompute(config, message):
     with pytest.raises(RingConfigError, match=message):
@@ -128,12 +129,6 @@ def test_model_runner_v2_keeps_the_sink_columns_of_the_row():
     vLLM's ``W - 1``."""
     assert RingSWASpec(**SHAPE, sliding_window=64, lookahead=8, sink_tokens=5).num_retained_tokens == 0
     assert RingSWASpec(**SHAPE, sliding_window=64, lookahead=8).num_retained_tokens == 63
-
-
-def test_sinks_served_on_model_runner_v2_without_prefix_caching():
-    """V2 runs them (``test_vllm_v2_full_window_engine.py``); only prefix caching and connectors are refused."""
-    config = SimpleNamespace(use_v2_model_runner=True, cache_config=SimpleNamespace(enable_prefix_caching=False))
-    full_window.check_sinks_config(full_window.DrafterFullWindow(window=64, sinks=5), config)
 
 
 def test_refused_when_the_drafters_full_layers_are_not_on_the_ring(monkeypatch, on_ring):
