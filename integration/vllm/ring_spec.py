@@ -66,6 +66,14 @@ class RingSWASpec(SlidingWindowSpec):
         return self.plan.ring_blocks
 
     @property
+    def num_retained_tokens(self) -> int:
+        """Tokens below a request's first scheduled position that stay readable: 0.34's Model Runner V2 nulls the
+        block-table columns wholly below them each step (``SlidingWindowSpec.num_retained_tokens``). With sinks 0,
+        which turns that off for the group (it would null the sink columns ``j < ns``); the ring's row is null below
+        its window already (``kv_cache.py``)."""
+        return 0 if self.sink_tokens else self.sliding_window - 1 + self.extra_retained_tokens
+
+    @property
     def prefix_cacheable(self) -> bool:
         # cache_ring: freed windows are hashed and adopted (cached_ring.py); else vLLM leaves the group out of the
         # hit lookup and prefix_cache.py caps the hit so the recompute rebuilds the ring

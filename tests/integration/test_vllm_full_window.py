@@ -137,6 +137,14 @@ def test_sinks_are_served_with_prefix_caching_on():
     full_window.check_sinks_config(full_window.DrafterFullWindow(window=64, sinks=5), config)
 
 
+def test_model_runner_v2_keeps_the_sink_columns_of_the_row():
+    """0.34's V2 worker nulls a sliding group's block-table columns wholly below ``num_retained_tokens`` each step:
+    the sink columns would go with them, so a ring with sinks retains nothing (0 turns it off); one without keeps
+    vLLM's ``W - 1``."""
+    assert RingSWASpec(**SHAPE, sliding_window=64, lookahead=8, sink_tokens=5).num_retained_tokens == 0
+    assert RingSWASpec(**SHAPE, sliding_window=64, lookahead=8).num_retained_tokens == 63
+
+
 def test_refused_when_the_drafters_full_layers_are_not_on_the_ring(monkeypatch, on_ring):
     monkeypatch.setenv(full_window.WINDOW_ENV, "64")
     on_ring[DRAFT_FULL] = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"

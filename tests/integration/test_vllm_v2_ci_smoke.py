@@ -16,6 +16,9 @@ RINGKV's kernels over vLLM's spec, unchanged) and the target's own greedy contin
   vLLM's ``AsyncScheduler`` with two batches in flight.
 - A DFlash2 drafter mixing a sliding and a full layer, on the V2 CPU runner's default (synchronous) scheduling:
   the sliding layer on the ring, the full layer on vLLM's spec, tokens and counters those of stock rows.
+- The same drafter with ``RINGKV_DRAFTER_FULL_WINDOW`` = W: its full layer on the ring too (R blocks), every
+  drafter attention output that of the dense oracle windowed to W over the K/V vLLM stored, by position (the rest
+  on V2, trained drafters and prefix caching: ``test_vllm_v2_full_window_engine.py``, slow).
 
 The target's greedy continuation (what no speculation gives) is its chain map (``engine_models``: attention outputs
 zeroed), computed by transformers outside vLLM. Skipped unless vLLM 0.34.0 (the GPU wheel) is the installed vLLM;
@@ -63,6 +66,9 @@ from ringkv.dflash2.harness.engine_models import (
     reuse_or_build,
 )
 from ringkv.kernels.ring_geometry import ring_blocks_needed
+from ringkv.kernels.testing import FP32_ABS_BOUND
+
+from tests.integration.drafter_oracle import drafter_forwards, stored_history_oracle
 
 pytestmark = pytest.mark.v2
 
@@ -228,11 +234,11 @@ def asynchronous(spec: EngineRunSpec, report: Path) -> EngineRunSpec:
                    environment={**spec.environment, ASYNC_REPORT: str(report)})  # fmt: skip
 
 
-def launch(models: EngineModels, spec: EngineRunSpec) -> EngineRun | str:
+def launch(models: EngineModels, spec: EngineRunSpec, record_inputs: bool = False) -> EngineRun | str:
     """The run, or the end of its output where the engine failed."""
     layers = drafter_layer_names(models.spec.target_layers, models.spec.drafter_layers)
     try:
-        return run_engine(spec, drafter_layers=layers, timeout=600)
+        return run_engine(spec, drafter_layers=layers, record_inputs=record_inputs, timeout=600)
     except EngineRunError as error:
         return str(error)
 
@@ -244,7 +250,9 @@ def smoke(v2_engine, tmp_path_factory) -> dict[str, Any]:
     - the DFlash conversation (turn 1: the long prompt; turn 2: it + reply + TAIL) with prefix caching on and async
       scheduling forced on: on the ring in the small pool ("ring"), on stock rows in a roomy one ("rows"), and on
       stock rows in the small pool ("rows in the small pool": vLLM refuses it at startup);
-    - the mixed DFlash2 drafter on short prompts, default (synchronous) scheduling, on the ring and on stock rows.
+    - the mixed DFlash2 drafter on short prompts, default (synchronous) scheduling, on the ring and on stock rows;
+      on the ring with its full layer windowed, the first prompt alone (the probe's context rows are then that
+      request's by position), recording the drafter's inputs.
     """
     folder = tmp_path_factory.mktemp("v2-smoke")
     dflash, mixed = untrained_dflash(folder / "dflash"), untrained_mixed(folder / "mixed")
@@ -264,11 +272,15 @@ def smoke(v2_engine, tmp_path_factory) -> dict[str, Any]:
                                       reports["rows"])),
         "mixed ring": (mixed, short),
         "mixed rows": (mixed, replace(short, drafter_backend="rows")),
+        "mixed window": (mixed, replace(short, prompts=mixed_prompts[:1], max_num_seqs=1,
+                                        environment={**short.environment, "RINGKV_DRAFTER_FULL_WINDOW": str(WINDOW)})),
         "rows in the small pool": (dflash, asynchronous(replace(conversation, drafter_backend="rows"),
                                                         folder / "refused-async.json")),
     }  # fmt: skip
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(launch, models, spec) for name, (models, spec) in specs.items()}
+        futures = {
+            name: pool.submit(launch, models, spec, name == "mixed window") for name, (models, spec) in specs.items()
+        }
         runs = {name: future.result() for name, future in futures.items()}
     for name, run in runs.items():
         if name != "rows in the small pool" and isinstance(run, str):
@@ -412,3 +424,28 @@ def test_a_mixed_dflash2_drafter_rings_its_sliding_layer_and_matches_stock_rows(
         if not isinstance(run, str):
             print(f"{name}: init {run.init_seconds:.0f} s, generate {run.generate_seconds:.0f} s, "  # noqa: T201
                   f"wall {run.wall_seconds:.0f} s")  # fmt: skip
+
+
+def test_a_mixed_drafters_full_layer_windowed_goes_on_the_ring_and_attends_over_its_window(smoke):
+    """``RINGKV_DRAFTER_FULL_WINDOW`` = W on V2: both layers on the ring (R blocks at every step), the target's own
+    tokens, and every drafter forward equal to the dense oracle windowed to W over the K/V vLLM stored; the full
+    layer's forwards past the window differ from full attention (the window binds)."""
+    run = smoke["runs"]["mixed window"]
+    layers = drafter_layer_names(MIXED.models.target_layers, MIXED.models.drafter_layers)
+    groups = {layer: kind for kind, members in run.scheduler["kv_cache_groups"] for layer in members}
+    assert {groups[layer] for layer in layers} == {"RingSWASpec"}, groups
+    assert run.tokens == greedy(smoke["mixed chain"], run.prompts) and run.spec_decode["drafts"] > 0
+    held = assert_ring_holds_r_blocks(run, steps=REPLY)
+    compared, past_window = 0, 0
+    for layer, event, got, history in drafter_forwards(run):
+        assert event.window == WINDOW, (layer, event.window)
+        worst = (got - stored_history_oracle(event, history, WINDOW)).abs().max().item()
+        assert worst <= FP32_ABS_BOUND, f"{layer} forward {compared}: |ring - windowed oracle| = {worst:.3e}"
+        compared += 1
+        if layer == layers[1] and int(event.seq_lens[0]) - event.q.shape[0] >= WINDOW:
+            past_window += 1
+            full = (got - stored_history_oracle(event, history, MAX_MODEL_LEN)).abs().max().item()
+            assert full > 100 * FP32_ABS_BOUND, f"{layer} forward {compared}: the window changed nothing"
+    assert compared == sum(run.forward_calls[layer] for layer in layers) and past_window >= 2
+    print(f"mixed window: {run.spec_decode}, ring max {max(held)} blocks, {compared} drafter outputs equal the "  # noqa: T201
+          f"windowed oracle ({past_window} of the full layer's past W); wall {run.wall_seconds:.0f} s")  # fmt: skip
