@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from ringkv.integration.vllm.names import SINKS_ENV, WINDOW_ENV
 
-WINDOW_ENV = "RINGKV_DRAFTER_FULL_WINDOW"
-SINKS_ENV = "RINGKV_DRAFTER_FULL_SINKS"
 FULL = "full"
 
 

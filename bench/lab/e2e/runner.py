@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ringkv.integration.vllm.names import PLUGIN_SWITCHES
 
 from .probe import ENV as PROBE_ENV
 from .probe import Admission, BlockPool, ContextRows, ForwardInputs, ProbeConfig, load_records
@@ -98,6 +100,12 @@ def drafter_layer_names(num_target_layers: int, num_drafter_layers: int) -> list
     return [f"model.layers.{num_target_layers + i}.self_attn.attn" for i in range(num_drafter_layers)]
 
 
+def inherited_switches(spec: EngineRunSpec) -> list[str]:
+    """The plugin's switches this process's environment sets and ``spec`` does not: inherited, one would reach every
+    run, the references a run is compared with included (an exported window would window a "full" run)."""
+    return sorted(name for name in PLUGIN_SWITCHES if name in os.environ and name not in spec.environment)
+
+
 def run_engine(
     spec: EngineRunSpec,
     *,
@@ -115,6 +123,10 @@ def run_engine(
         spec_file = Path(directory) / "spec.json"
         spec_file.write_text(json.dumps(asdict(spec)))
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_") and k != PROBE_ENV}
+        for name in inherited_switches(spec):
+            warnings.warn(f"ringkv: {name}={env.pop(name)} is set in this process's environment; a lab engine run "
+                          "takes the plugin's switches from its own spec (EngineRunSpec.environment), so this run "
+                          "(references included) runs without it; unset it", stacklevel=2)  # fmt: skip
         start = time.perf_counter()
         process = subprocess.Popen(
             [sys.executable, "-m", "ringkv.bench.lab.e2e.worker", str(spec_file)],
