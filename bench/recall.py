@@ -16,53 +16,31 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from .acceptance import FULL, AcceptanceOptions, Variant, variant_label
+from .acceptance import AcceptanceOptions
+from .recall_grid import (
+    CONTEXT_WINDOWS,
+    KV_BLOCK,
+    MAX_MODEL_LEN,
+    MAX_TOKENS,
+    NO_SPECULATION,
+    PROMPTS,
+    SINKS,
+    WINDOW_MULTIPLES,
+    Cell,
+    W,
+    grid,
+)
 from .records import REPO
 
 RESULTS = REPO / "bench" / "results"
 ROWS = "recall_acceptance.jsonl"
-W = 64
-CONTEXT_WINDOWS = (4, 16, 64)
-WINDOW_MULTIPLES = (1, 4, 16)
-SINKS = (0, 16, 64)
-PROMPTS = 2
-MAX_TOKENS = 32
-KV_BLOCK = 32
-NO_SPECULATION = "no speculation"
-MAX_MODEL_LEN = max(CONTEXT_WINDOWS) * W + 256
 MODELS = Path(tempfile.gettempdir()) / "ringkv-recall-models"
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One engine run: a context (tokens) and a variant (None: no speculation)."""
-
-    context: int
-    variant: Variant | None
-
-    @property
-    def label(self) -> str:
-        return NO_SPECULATION if self.variant is None else self.variant.label
-
-    @property
-    def key(self) -> tuple[int, str]:
-        return self.context, self.label
-
-
-def grid(context_windows: tuple[int, ...] = CONTEXT_WINDOWS) -> list[Cell]:
-    """Every cell, in the order they run: context by context (shortest first), no speculation, full, the windows
-    without sinks, then with sinks."""
-    cells = []
-    for context in sorted(n * W for n in context_windows):
-        windowed = [Variant(variant_label(m * W, s), m * W, s) for s in SINKS for m in WINDOW_MULTIPLES]
-        cells += [Cell(context, None), Cell(context, Variant(FULL, None)), *(Cell(context, v) for v in windowed)]
-    return cells
 
 
 def prompts_for(models: Any, context: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -11,7 +11,17 @@ from typing import Any
 
 from ringkv.dflash2.harness.recall_target import recall_layout
 
-from .recall import CONTEXT_WINDOWS, KV_BLOCK, MAX_TOKENS, NO_SPECULATION, PROMPTS, SINKS, WINDOW_MULTIPLES, Cell, W
+from .recall_grid import (
+    CONTEXT_WINDOWS,
+    KV_BLOCK,
+    MAX_TOKENS,
+    NO_SPECULATION,
+    PROMPTS,
+    SINKS,
+    WINDOW_MULTIPLES,
+    Cell,
+    W,
+)
 
 COMMAND = "ringkv bench recall-acceptance --out bench/results"
 COLUMNS = ("context", "variant", "acceptance (accepted / drafted)", "per draft position", "tokens per draft step",

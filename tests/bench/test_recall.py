@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from ringkv.bench.recall import NO_SPECULATION, grid
+from ringkv.bench.recall_grid import NO_SPECULATION, grid
 from ringkv.bench.recall_report import write_report
 from ringkv.dflash2.harness.recall_models import TRAIN_RECORD
 
