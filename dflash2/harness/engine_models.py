@@ -194,6 +194,24 @@ def train_drafter(
     return drafter.eval(), accuracy
 
 
+def chain_map(models: EngineModels) -> list[int]:
+    """The chain target's next token per last token (its attention outputs are zeroed: module docstring), read
+    from its checkpoint: its greedy continuation of any prompt follows this map."""
+    from transformers import Qwen3ForCausalLM
+
+    target = Qwen3ForCausalLM.from_pretrained(models.target).eval()
+    with torch.no_grad():
+        return target(torch.arange(models.spec.vocab_size)[:, None]).logits[:, -1].argmax(-1).tolist()
+
+
+def continuation(chain: list[int], tokens: list[int], count: int) -> list[int]:
+    """The ``count`` tokens the chain target generates greedily after ``tokens``."""
+    out = [chain[tokens[-1]]]
+    while len(out) < count:
+        out.append(chain[out[-1]])
+    return out
+
+
 def reuse_or_build(folder: Path, stamp_name: str, spec: Any, models: EngineModelSpec,
                    build: Callable[[], float]) -> EngineModels:  # fmt: skip
     """The checkpoints in ``folder/target`` and ``folder/drafter``: reused when the stamp ``folder/stamp_name``

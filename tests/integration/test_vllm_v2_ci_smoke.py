@@ -62,6 +62,8 @@ from ringkv.dflash2.harness.engine_models import (
     EngineModels,
     EngineModelSpec,
     build_target,
+    chain_map,
+    continuation,
     drafter_config,
     reuse_or_build,
 )
@@ -175,23 +177,6 @@ def untrained_mixed(folder: Path) -> EngineModels:
         return 0.0
 
     return reuse_or_build(folder, "untrained_dflash2.json", MIXED, shape, build)
-
-
-def chain_map(models: EngineModels) -> list[int]:
-    """The target's next token per last token (its attention outputs are zeroed): its greedy continuation."""
-    import torch
-    from transformers import Qwen3ForCausalLM
-
-    target = Qwen3ForCausalLM.from_pretrained(models.target).eval()
-    with torch.no_grad():
-        return target(torch.arange(models.spec.vocab_size)[:, None]).logits[:, -1].argmax(-1).tolist()
-
-
-def continuation(chain: list[int], tokens: list[int], count: int) -> list[int]:
-    out = [chain[tokens[-1]]]
-    while len(out) < count:
-        out.append(chain[out[-1]])
-    return out
 
 
 def greedy(chain: list[int], prompts: list[list[int]]) -> list[list[int]]:

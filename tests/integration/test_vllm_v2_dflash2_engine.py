@@ -28,7 +28,7 @@ from ringkv.bench.lab.e2e.runner import EngineRun, drafter_layer_names, held_blo
 from ringkv.bench.lab.e2e.worker import EngineRunSpec
 from ringkv.dflash2.config import FULL, SLIDING
 from ringkv.dflash2.harness.dflash2_models import DFlash2ModelSpec, build_dflash2_models
-from ringkv.dflash2.harness.engine_models import FIRST_TOKEN
+from ringkv.dflash2.harness.engine_models import FIRST_TOKEN, chain_map, continuation
 from ringkv.kernels.ring_geometry import ring_blocks_needed
 
 from tests.integration.prefix_cache_checks import assert_hits_capped, assert_shared_prefixes_hit
@@ -62,16 +62,6 @@ SHARED, FIRST_TURN, TAIL, TURNS = 6 * WINDOW + 20, 150, 8, 5
 CACHING_WAYS = {None: {}, "rows": {}, "ring": {}, "ring rebuild": {"environment": {"RINGKV_RING_PREFIX_CACHE": "0"}}}
 
 
-def chain_map(models) -> list[int]:
-    """The target's next token per token (``engine_models``: a fixed map of the last token)."""
-    import torch
-    from transformers import Qwen3ForCausalLM
-
-    target = Qwen3ForCausalLM.from_pretrained(models.target).eval()
-    with torch.no_grad():
-        return target(torch.arange(SHAPE.vocab_size)[:, None]).logits[:, -1].argmax(-1).tolist()
-
-
 def random_tokens(generator: random.Random, n: int) -> list[int]:
     return [generator.randrange(FIRST_TOKEN, SHAPE.vocab_size - 1) for _ in range(n)]
 
@@ -81,13 +71,6 @@ def prompt(chain: list[int], length: int, tail: int, seed: int) -> list[int]:
     for _ in range(tail - 1):
         tokens.append(chain[tokens[-1]])
     return tokens
-
-
-def continuation(chain: list[int], tokens: list[int], count: int) -> list[int]:
-    out = [chain[tokens[-1]]]
-    while len(out) < count:
-        out.append(chain[out[-1]])
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,14 @@ from ringkv.bench.lab.e2e.runner import EngineRun, drafter_layer_names, held_blo
 from ringkv.bench.lab.e2e.worker import EngineRunSpec
 from ringkv.dflash2.config import FULL, SLIDING
 from ringkv.dflash2.harness.dflash2_models import DFlash2ModelSpec, build_dflash2_models
-from ringkv.dflash2.harness.engine_models import FIRST_TOKEN, EngineModels, EngineModelSpec, build_engine_models
+from ringkv.dflash2.harness.engine_models import (
+    FIRST_TOKEN,
+    EngineModels,
+    EngineModelSpec,
+    build_engine_models,
+    chain_map,
+    continuation,
+)
 from ringkv.kernels.ring_geometry import ring_blocks_needed
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -75,23 +82,6 @@ def declared_sliding(models: EngineModels, folder: Path) -> Path:
     config.update(layer_types=[SLIDING] * models.spec.drafter_layers, sliding_window=WINDOW, use_sliding_window=True)
     (folder / "config.json").write_text(json.dumps(config))
     return folder
-
-
-def chain_map(models: EngineModels) -> list[int]:
-    """The target's next token per last token (its attention outputs are zeroed): its greedy continuation."""
-    import torch
-    from transformers import Qwen3ForCausalLM
-
-    target = Qwen3ForCausalLM.from_pretrained(models.target).eval()
-    with torch.no_grad():
-        return target(torch.arange(models.spec.vocab_size)[:, None]).logits[:, -1].argmax(-1).tolist()
-
-
-def continuation(chain: list[int], tokens: list[int], count: int) -> list[int]:
-    out = [chain[tokens[-1]]]
-    while len(out) < count:
-        out.append(chain[out[-1]])
-    return out
 
 
 def chain_prompt(chain: list[int], generator: random.Random, length: int, vocab: int, tail: bool = True) -> list[int]:
