@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The dense oracle of a recorded drafter run (``run_engine(..., record_inputs=True)``, one request): each ring
 forward of a drafter layer against fp64 attention over the context K/V vLLM stored before it, kept by position,
-masked by the window and sinks asked for. Shared by the V2 engine tests of the full-attention window."""
+masked by the window and sinks asked for. Shared by the engine tests of the full-attention window (V1 and V2)."""
 
 from __future__ import annotations
 

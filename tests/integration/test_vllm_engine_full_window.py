@@ -23,15 +23,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch
-from ringkv.bench.lab.e2e.probe import ContextRows, ForwardInputs
 from ringkv.bench.lab.e2e.runner import drafter_layer_names, held_blocks, max_output_difference, run_engine
 from ringkv.bench.lab.e2e.worker import EngineRunSpec
 from ringkv.dflash2.config import SLIDING
 from ringkv.dflash2.harness.engine_models import EngineModelSpec
-from ringkv.kernels.oracle import dense_history_attention
 from ringkv.kernels.ring_geometry import ring_blocks_needed, sink_block_count
 from ringkv.kernels.testing import FP32_ABS_BOUND
+
+from tests.integration.drafter_oracle import drafter_forwards, stored_history_oracle
 
 pytestmark = pytest.mark.vllm
 
@@ -130,39 +129,18 @@ def test_with_sinks_the_second_turn_hits_as_far_as_the_windowed_ring(runs):
     assert hit >= windowed_hit and hit > num_tokens - (WINDOW - 1), (hit, windowed_hit, num_tokens)
 
 
-def masked_oracle(forward: ForwardInputs, history: dict[int, tuple[torch.Tensor, torch.Tensor]], sink_tokens: int):
-    """fp64 attention of one recorded forward (one request) over the context K/V stored before it, by position."""
-    context_len = int(forward.seq_lens[0]) - forward.q.shape[0]
-    k_hist = torch.stack([history[p][0] for p in range(context_len)]) if context_len else forward.k[:0]
-    v_hist = torch.stack([history[p][1] for p in range(context_len)]) if context_len else forward.v[:0]
-    return dense_history_attention(
-        forward.q, forward.k, forward.v, [(0, k_hist, v_hist)], forward.query_start_loc, forward.seq_lens,
-        window=forward.window, causal=forward.causal, scale=forward.scale, sink_tokens=sink_tokens,
-    )  # fmt: skip
-
-
 def test_drafter_outputs_equal_the_sink_masked_oracle(runs):
     """Every drafter forward of the sinks run equals the dense oracle with the sinks (``k < S or q - k < Wf``), and
     every forward whose queries reach past the window differs from the oracle without them: the sinks are read."""
     sinks = runs["sinks"]
-    outputs = {layer: calls for (_, layer), calls in sinks.outputs().items()}
     compared, past_window = 0, 0
-    for layer, events in sinks.drafter_events().items():
-        history: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        forwards = iter(outputs[layer])
-        for event in events:
-            if isinstance(event, ContextRows):
-                # a later store of a position (the verified token after a rejected draft's row) replaces it
-                history.update({int(p): (k, v) for p, k, v in zip(event.positions, event.k, event.v, strict=True)})
-                continue
-            assert (event.window, event.sink_tokens) == (WINDOW, SINKS)
-            got = next(forwards).reshape(event.q.shape[0], event.q.shape[1], -1).double()
-            worst = (got - masked_oracle(event, history, SINKS)).abs().max().item()
-            assert worst <= FP32_ABS_BOUND, f"{layer} forward {compared}: |ring - sink oracle| = {worst:.3e}"
-            compared += 1
-            if int(event.seq_lens[0]) - event.q.shape[0] >= WINDOW:
-                past_window += 1
-                unsunk = (got - masked_oracle(event, history, 0)).abs().max().item()
-                assert unsunk > 100 * FP32_ABS_BOUND, f"{layer} forward {compared}: the sinks changed nothing"
-        assert next(forwards, None) is None
+    for layer, event, got, history in drafter_forwards(sinks):
+        assert (event.window, event.sink_tokens) == (WINDOW, SINKS)
+        worst = (got - stored_history_oracle(event, history, WINDOW, SINKS)).abs().max().item()
+        assert worst <= FP32_ABS_BOUND, f"{layer} forward {compared}: |ring - sink oracle| = {worst:.3e}"
+        compared += 1
+        if int(event.seq_lens[0]) - event.q.shape[0] >= WINDOW:
+            past_window += 1
+            unsunk = (got - stored_history_oracle(event, history, WINDOW, 0)).abs().max().item()
+            assert unsunk > 100 * FP32_ABS_BOUND, f"{layer} forward {compared}: the sinks changed nothing"
     assert compared == sum(sinks.forward_calls.values()) and past_window > 10
