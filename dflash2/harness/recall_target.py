@@ -111,7 +111,7 @@ def token_codes(spec: RecallTargetSpec) -> torch.Tensor:
     return codes / codes.norm(dim=1, keepdim=True)
 
 
-def _norm_weight(score: float, head_dim: int) -> float:
+def norm_weight(score: float, head_dim: int) -> float:
     """The q/k norm weight ``w`` that makes unit-direction q and k score ``score``: q_norm scales q to RMS
     ``w`` (norm ``w sqrt(D)``), so ``q.k / sqrt(D) = w^2 sqrt(D) cos``."""
     return math.sqrt(score / math.sqrt(head_dim))
@@ -164,7 +164,7 @@ def build_recall_target(spec: RecallTargetSpec, folder: Path | None = None):
             values = head * head_dim + torch.arange(spec.code_dim)
             distance.v_proj.weight[values, residual.code(0)] = torch.eye(spec.code_dim) / scale
             distance.o_proj.weight[residual.code(offset), values] = torch.eye(spec.code_dim)
-        weight = _norm_weight(SCORE_GAP / POSITION_MARGIN, head_dim)
+        weight = norm_weight(SCORE_GAP / POSITION_MARGIN, head_dim)
         for norm in (distance.q_norm, distance.k_norm):
             norm.weight[pairs], norm.weight[pairs + half] = weight, weight
 
@@ -175,7 +175,7 @@ def build_recall_target(spec: RecallTargetSpec, folder: Path | None = None):
         dims = torch.cat([content, content + half])
         induction.q_proj.weight[dims, residual.code(0)] = torch.eye(spec.code_dim)
         induction.k_proj.weight[dims, residual.code(1)] = torch.eye(spec.code_dim)
-        weight = _norm_weight(INDUCTION_SCORE, head_dim)
+        weight = norm_weight(INDUCTION_SCORE, head_dim)
         for norm in (induction.q_norm, induction.k_norm):
             norm.weight[dims] = weight
         values = torch.arange(spec.code_dim)

@@ -8,7 +8,7 @@ import json
 
 from ringkv.bench.recall_grid import NO_SPECULATION, grid
 from ringkv.bench.recall_report import write_report
-from ringkv.dflash2.harness.recall_models import TRAIN_RECORD
+from ringkv.dflash2.harness.recall_models import ACCURACY_RECORD
 
 
 def test_the_grid_runs_every_context_with_no_speculation_full_and_every_window_and_sink_count():
@@ -28,7 +28,9 @@ def row(context: int, label: str, tokens: list[list[int]], window=None, sinks=0)
 
 
 def test_the_report_compares_with_no_speculation_and_lists_the_cells_not_run(tmp_path):
-    (tmp_path / TRAIN_RECORD).write_text(json.dumps({"accuracy_per_position": [0.9, 0.8, 0.7], "seconds": 60.0}))
+    (tmp_path / ACCURACY_RECORD).write_text(
+        json.dumps({"accuracy_per_position": [0.9, 0.8, 0.7], "sequences": 16, "seconds": 60.0})
+    )
     rows = [row(256, NO_SPECULATION, [[5, 6]]), row(256, "full", [[5, 6]]), row(256, "Wf 64", [[5, 7]], 64)]
     md, data, png = write_report(rows, grid((4,)), tmp_path, tmp_path)
     text = md.read_text()

@@ -1,13 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The recall drafter's training store (``recall_models._CutBatch``): draft blocks cut at several points of one
-shared context see exactly what a block alone over that context's prefix sees (positions jumping by a gap)."""
+"""The recall drafter (``recall_drafter``): it drafts the segment exactly wherever its source lies, and nothing
+once the source is out of its sight; its evaluation store (``recall_models._CutBatch``): draft blocks cut at several
+points of one shared context see exactly what a block alone over that context's prefix sees (positions jumping by a
+gap)."""
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 import torch.nn.functional as F
 from ringkv.dflash2.config import parse_config
-from ringkv.dflash2.harness.recall_models import _CutBatch
+from ringkv.dflash2.harness.recall_drafter import build_recall_drafter
+from ringkv.dflash2.harness.recall_models import RecallModelSpec, _CutBatch, drafter_accuracy
+from ringkv.dflash2.harness.recall_target import RecallLayout, RecallTargetSpec, build_recall_target, recall_batch
 from ringkv.dflash2.model import DFlash2Drafter
 
 CONFIG = {
@@ -56,23 +63,44 @@ def test_blocks_cut_in_one_shared_context_equal_each_block_over_its_prefix():
                 torch.testing.assert_close(shared[s, i], want, rtol=0, atol=1e-5)
 
 
-def test_every_training_step_draws_sequences_it_has_not_seen(monkeypatch):
-    """A fixed bank of sequences let the drafter memorize their segments (training accuracy 1.00, nothing accepted
-    on new prompts): each step must draw its own, so the accuracy training reports is on unseen sequences."""
-    from ringkv.dflash2.harness import recall_models
-    from ringkv.dflash2.harness.recall_target import RecallTargetSpec, build_recall_target
+@pytest.fixture(scope="module")
+def recall():
+    spec = RecallModelSpec(groups=2, batch=2, cuts=6)
+    return spec, build_recall_target(spec.target), build_recall_drafter(spec.target, spec.draft_block)
 
-    target_spec = RecallTargetSpec(vocab_size=64, recall_tokens=50, max_positions=4096)
-    spec = recall_models.RecallModelSpec(target=target_spec, train_steps=3, batch=2, cuts=2)
-    drawn = []
-    fresh_group = recall_models._fresh_group
 
-    def spy(*args):
-        group = fresh_group(*args)
-        drawn.append(group.segments)
-        return group
+def test_the_drafter_drafts_the_segment_at_every_position_wherever_its_source_lies(recall):
+    """Fresh sequences, the source up to ``MAX_RECALL_DISTANCE`` back: every draft position exact."""
+    spec, target, drafter = recall
+    assert drafter_accuracy(spec, target, drafter) == [1.0] * spec.num_speculative_tokens
 
-    monkeypatch.setattr(recall_models, "_fresh_group", spy)
-    recall_models.train_recall_drafter(spec, build_recall_target(target_spec))
-    assert len(drawn) == 3
-    assert all(not torch.equal(a, b) for i, a in enumerate(drawn) for b in drawn[i + 1 :])
+
+@pytest.mark.parametrize("source_seen", [True, False])
+def test_the_drafts_need_the_source_half_the_context_back(recall, source_seen):
+    """The same context with the source's rows left out (what a window short of it leaves): no draft is right."""
+    spec, target, drafter = recall
+    layout = RecallLayout(before=700, segment=48, between=1201, repeated=20)
+    tokens, segments = recall_batch(spec.target, layout, 2, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        features = target(tokens, output_hidden_states=True).hidden_states[2]
+    anchor = layout.length - 1  # the last repeated token, segment[19]: drafts segment[20:23]
+    kept = torch.arange(anchor)
+    if not source_seen:
+        kept = kept[(kept < layout.before) | (kept >= layout.before + layout.segment)]
+    store = _CutBatch(2, kept)
+    block = spec.draft_block
+    query = torch.full((2, block), drafter.config.mask_token_id)
+    query[:, 0] = tokens[:, anchor]
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    with torch.no_grad():
+        drafter.write_context(store, 0, features[:, kept].reshape(-1, features.shape[-1]), kept.repeat(2))
+        hidden = drafter.forward_block(store, embed(query.flatten()), [anchor] * 2, block)
+        drafts = head(hidden.view(2, block, -1)[:, 1:]).argmax(-1)
+    right = drafts == segments[:, 20 : 20 + block - 1]
+    assert bool(right.all()) if source_seen else not bool(right.any())
+
+
+def test_a_draft_block_longer_than_the_offsets_the_target_keeps_is_refused():
+    message = "draft_block=5: the drafter reads P1..P3, so give 2 <= draft_block <= 4"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_recall_drafter(RecallTargetSpec(), 5)
