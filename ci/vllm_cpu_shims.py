@@ -86,10 +86,14 @@ def _reproduce_cpu_attention() -> None:
 
 
 def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor | None, epsilon: float) -> None:
-    """``vllm._custom_ops.rms_norm`` in torch (float32 math, like vLLM's ``RMSNorm.forward_native``)."""
+    """``vllm._custom_ops.rms_norm`` in torch (float32 math, like vLLM's ``RMSNorm.forward_native``); a stacked
+    weight ``[L, D]`` norms ``input[i]`` with row ``i``, as the CUDA kernel does (DFlash's ``_normalize_context_k``)."""
     x = input.float()
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + epsilon)
-    out.copy_((y if weight is None else y * weight.float()).to(out.dtype))
+    if weight is not None:
+        # [D], or [L, D] -> [L, 1, ..., 1, D]
+        y = y * weight.float().view(*weight.shape[:-1], *[1] * (x.dim() - weight.dim()), weight.shape[-1])
+    out.copy_(y.to(out.dtype))
 
 
 def rotary_embedding(
