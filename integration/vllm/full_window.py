@@ -20,7 +20,6 @@ from ._compat import (
     drafter_layer_names,
     full_attention_as_sliding,
     layer_backend_paths,
-    uses_model_runner_v2,
 )
 from .errors import RingConfigError
 from .names import BACKEND_PATH, SINKS_ENV, WINDOW_ENV
@@ -107,7 +106,8 @@ def windowed_drafter_full_layers(worker: Any, specs: dict[str, Any]) -> tuple[di
 
 def check_sinks_config(option: DrafterFullWindow, vllm_config: Any, cache_ring: bool | None = None) -> None:
     """Refuse what sink blocks cannot be served beside: a connector's load skips the recompute of the sink tokens,
-    and no connector moves a ring's sink blocks; Model Runner V2 was not run with them. Prefix caching is served:
+    and no connector moves a ring's sink blocks. Both model runners serve them (V1; 0.34's Model Runner V2, where
+    ``RingSWASpec.num_retained_tokens`` keeps the sink columns of the row). Prefix caching is served:
     the sink blocks are hashed and adopted as a cached ring's window blocks are (``cached_ring.py``), and without
     ``RINGKV_RING_PREFIX_CACHE`` every hit, the target's included, would be capped to 0 (``prefix_cache.
     rebuild_cap``): refused, since prefix caching could not take effect. ``cache_ring``: that switch (None: read
@@ -121,11 +121,6 @@ def check_sinks_config(option: DrafterFullWindow, vllm_config: Any, cache_ring: 
             "rebuilds the sink blocks, so every prefix hit, the target's included, would be 0. Unset "
             f"RINGKV_RING_PREFIX_CACHE (the sink blocks join the prefix cache), start vLLM with "
             f"--no-enable-prefix-caching, or unset {SINKS_ENV}"
-        )
-    if vllm_config is not None and uses_model_runner_v2(vllm_config):
-        raise RingConfigError(
-            f"ringkv: {setting} on Model Runner V2: sink blocks are served and tested on vLLM's V1 model runner only "
-            f"(vLLM 0.32 / 0.33 without VLLM_USE_V2_MODEL_RUNNER=1); run V1, or unset {SINKS_ENV}"
         )
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     if transfer is not None and getattr(transfer, "kv_connector", None) is not None:

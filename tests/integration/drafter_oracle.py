@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The dense oracle of a recorded drafter run (``run_engine(..., record_inputs=True)``, one request): each ring
-forward of a drafter layer against fp64 attention over the context K/V vLLM stored before it, kept by position,
-masked by the window and sinks asked for. Shared by the engine tests of the full-attention window (V1 and V2)."""
+forward of a drafter layer against fp64 attention over the context K/V vLLM stored before it, kept by position
+(a row vLLM handed over unstored, PAD, only where no stored row holds its position), masked by the window and sinks
+asked for. Shared by the engine tests of the full-attention window (V1 and V2)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,14 @@ def drafter_forwards(run: EngineRun) -> Iterator[tuple[str, ForwardInputs, torch
         forwards = iter(outputs[layer])
         for event in events:
             if isinstance(event, ContextRows):
-                # a later store of a position (the verified token after a rejected draft's row) replaces it
-                history.update({int(p): (k, v) for p, k, v in zip(event.positions, event.k, event.v, strict=True)})
+                for p, k, v, stored in zip(event.positions.tolist(), event.k, event.v, event.stored, strict=True):
+                    if stored:
+                        # a later store of a position (the verified token after a rejected draft's row) replaces it
+                        history[p] = (k, v)
+                    else:
+                        # an unstored row never replaces a stored one: on Model Runner V2 a rejected row's position
+                        # is a placeholder 0 (a sink's); a dead block's row is the K/V of its real position
+                        history.setdefault(p, (k, v))
                 continue
             got = next(forwards).reshape(event.q.shape[0], event.q.shape[1], -1).double()
             yield layer, event, got, history

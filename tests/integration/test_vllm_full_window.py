@@ -107,17 +107,18 @@ def test_sink_blocks_are_counted_beside_the_ring_at_admission():
     assert ring.max_memory_usage_bytes(config) == 5 * ring.page_size_bytes
 
 
-@pytest.mark.parametrize(
-    ("config", "message"),
-    [
-        (SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="OffloadingConnector")),
-         "SINKS=5 with the KV connector OffloadingConnector.*Remove --kv-transfer-config"),
-        (SimpleNamespace(use_v2_model_runner=True), "SINKS=5 on Model Runner V2.*run V1, or unset"),
-    ],
-    ids=["connector", "model-runner-v2"],
-)  # fmt: skip
-def test_sinks_refused_beside_what_skips_their_recompute(config, message):
-    with pytest.raises(RingConfigError, match=message):
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "model-runner-v2"])
+def test_sinks_refused_beside_a_connector_on_either_model_runner(v2):
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="OffloadingConnector"),
+                             use_v2_model_runner=v2)  # fmt: skip
+    with pytest.raises(RingConfigError, match=r"SINKS=5 with the KV connector OffloadingConnector.*Remove --kv"):
+        full_window.check_sinks_config(full_window.DrafterFullWindow(window=64, sinks=5), config)
+
+
+def test_sinks_are_served_on_model_runner_v2():
+    """The engine runs: ``test_vllm_v2_sinks_engine.py`` (slow)."""
+    for caching in (False, True):
+        config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=caching), use_v2_model_runner=True)
         full_window.check_sinks_config(full_window.DrafterFullWindow(window=64, sinks=5), config)
 
 

@@ -63,19 +63,26 @@ class ForwardInputs:
 
 @dataclass
 class ContextRows:
-    """Context K/V rows one ``do_kv_cache_update`` of a recorded layer stored, at their absolute positions."""
+    """Context K/V rows one ``do_kv_cache_update`` of a recorded layer was handed, at their absolute positions, and
+    which of them it stored (``stored [n]``: a slot, not PAD). An unstored row's position may be a placeholder: Model
+    Runner V2's DFlash prepare kernel gives a rejected row position 0 and PAD (so its K/V are not position 0's), and
+    PADs the rows of null (dead) blocks, whose positions are real."""
 
     positions: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
+    stored: torch.Tensor
 
 
 @dataclass
 class SchedulerStep:
     """One ``schedule()``: per running request, (tokens computed before the step, drafter blocks held after it).
-    A request admitted by the step starts from its prefix hit."""
+    A request admitted by the step starts from its prefix hit. ``groups``: per running request, the blocks it holds
+    after the step in each of the drafter's KV groups, by group index (a drafter whose rings differ, as a sliding
+    layer's and a windowed full layer's with sinks, has several)."""
 
     requests: dict[str, tuple[int, int]]
+    groups: dict[str, dict[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -170,11 +177,12 @@ def _record_inputs(impl: Any, layer: Any, query, key, value, md: Any) -> None:
         md.sink_tokens, impl.scale))  # fmt: skip
 
 
-def _record_context(impl: Any, layer: Any, key, value) -> None:
+def _record_context(impl: Any, layer: Any, key, value, slot_mapping) -> None:
     n = key.shape[0]
     assert _context_positions is not None and _context_positions.shape[0] >= n, "context rows without positions"
     _record.drafter_events.setdefault(layer.layer_name, []).append(ContextRows(
-        _context_positions[:n].cpu().clone(), _copy(key, n, impl.num_kv_heads), _copy(value, n, impl.num_kv_heads)
+        _context_positions[:n].cpu().clone(), _copy(key, n, impl.num_kv_heads), _copy(value, n, impl.num_kv_heads),
+        (slot_mapping[:n] >= 0).cpu().clone(),
     ))  # fmt: skip
 
 
@@ -195,11 +203,11 @@ def _attention_probes() -> None:
         return forward
 
     def kv_update(original):
-        def do_kv_cache_update(self, layer, key, value, *args, **kwargs):
+        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
             _record.kv_update_calls[layer.layer_name] += 1
             if _recording_inputs(layer):
-                _record_context(self, layer, key, value)
-            return original(self, layer, key, value, *args, **kwargs)
+                _record_context(self, layer, key, value, slot_mapping)
+            return original(self, layer, key, value, kv_cache, slot_mapping)
 
         return do_kv_cache_update
 
@@ -265,7 +273,11 @@ def _scheduler_probes() -> None:
                 held = {r.request_id: (r.num_computed_tokens - scheduled.get(r.request_id, 0),
                                        _held_blocks(manager, r.request_id))
                         for r in self.running}  # fmt: skip
-                _record.steps.append(SchedulerStep(held))
+                managers = self.kv_cache_manager.coordinator.single_type_managers
+                indices = _drafter_groups(self)
+                groups = {r.request_id: {g: _held_blocks(managers[g], r.request_id) for g in indices}
+                          for r in self.running}  # fmt: skip
+                _record.steps.append(SchedulerStep(held, groups))
             if _config.progress:
                 computed = sum(r.num_computed_tokens for r in self.running)
                 print(f"PROGRESS {computed}", flush=True)  # read by the runner
@@ -295,11 +307,16 @@ def _scheduler_probes() -> None:
     _wrap(Scheduler, "shutdown", shutdown)
 
 
+def _drafter_groups(scheduler: Any) -> list[int]:
+    """The KV groups holding the drafter's layers, by index."""
+    names = set(_config.drafter_layers)
+    groups = scheduler.kv_cache_config.kv_cache_groups
+    return [index for index, group in enumerate(groups) if names & set(group.layer_names)]
+
+
 def _drafter_group(scheduler: Any) -> int | None:
     """The KV group of the drafter's layers; of its sliding-window group where it has full layers too."""
-    names = set(_config.drafter_layers)
-    groups = [(index, group) for index, group in enumerate(scheduler.kv_cache_config.kv_cache_groups)
-              if names & set(group.layer_names)]  # fmt: skip
+    groups = [(index, scheduler.kv_cache_config.kv_cache_groups[index]) for index in _drafter_groups(scheduler)]
     sliding = [index for index, group in groups if getattr(group.kv_cache_spec, "sliding_window", None)]
     return (sliding or [index for index, _ in groups] or [None])[0]
 

@@ -164,6 +164,11 @@ def held_blocks(run: EngineRun) -> list[dict[str, tuple[int, int]]]:
     return [step.requests for step in run.scheduler["steps"]]
 
 
+def held_blocks_per_group(run: EngineRun) -> list[dict[str, dict[int, int]]]:
+    """Per scheduler step: request -> {drafter KV group index: blocks held after the step}."""
+    return [step.groups for step in run.scheduler["steps"]]
+
+
 def max_output_difference(ring: EngineRun, stock: EngineRun) -> tuple[float, int]:
     """Largest |ring - stock| over every drafter attention output, and how many outputs were compared."""
     ring_outputs, stock_outputs = ring.outputs(), stock.outputs()
