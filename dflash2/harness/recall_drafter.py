@@ -33,18 +33,7 @@ import torch
 from ringkv.dflash2.config import FULL, DFlashConfig, parse_config
 from ringkv.dflash2.model import DFlash2Drafter
 
-from .recall_target import (
-    INDUCTION_SCORE,
-    POSITION_MARGIN,
-    POSITION_PAIRS,
-    SCORE_GAP,
-    RecallTargetSpec,
-    Residual,
-    content_pairs,
-    frequencies,
-    norm_weight,
-    position_weights,
-)
+from .recall_target import RecallTargetSpec, Residual, set_content_match, set_distance_head
 
 # the residual after the induction layer (layer 1): E, P1..Pn and C (``recall_target``)
 TARGET_LAYER_IDS = (1,)
@@ -77,7 +66,7 @@ def build_recall_drafter(target: RecallTargetSpec, draft_block: int) -> DFlash2D
     config = recall_drafter_config(target, draft_block)
     drafter = DFlash2Drafter(config, target_hidden_size=target.hidden_size).float().eval()
     residual = Residual(target.code_dim, target.offsets)
-    hidden, head_dim, half = target.hidden_size, target.head_dim, target.head_dim // 2
+    hidden, head_dim = target.hidden_size, target.head_dim
     identity = torch.eye(target.code_dim)
     # RMS scale of a row's unit subspaces: block rows hold E and the constant; context rows C, P1..Pn, the constant
     block_scale, context_scale = math.sqrt(hidden / 2), math.sqrt(hidden / (target.offsets + 2))
@@ -93,31 +82,16 @@ def build_recall_drafter(target: RecallTargetSpec, draft_block: int) -> DFlash2D
             drafter.fc.weight[residual.code(offset), residual.code(offset)] = identity
         drafter.fc.weight[residual.constant, residual.constant] = 1.0
 
-        theta, amplitude, pairs = frequencies(target), position_weights().sqrt(), torch.arange(POSITION_PAIRS)
         distance, lookup = drafter.layers[0].self_attn, drafter.layers[1].self_attn
-        content = content_pairs(target)
-        dims = torch.cat([content, content + half])
         values = torch.arange(target.code_dim)
         for offset in range(1, draft_block):
-            rows, head_values = (offset - 1) * head_dim + pairs, (offset - 1) * head_dim + values
-            distance.q_proj.weight[rows, residual.constant] = (amplitude * torch.cos(offset * theta[pairs])).float()
-            distance.q_proj.weight[rows + half, residual.constant] = (
-                -amplitude * torch.sin(offset * theta[pairs])
-            ).float()
-            distance.k_proj.weight[rows, residual.constant] = amplitude.float()
+            head_values = (offset - 1) * head_dim + values
+            set_distance_head(distance, target, offset - 1, offset, residual.constant)
             distance.v_proj.weight[head_values, residual.code(0)] = identity / block_scale
             distance.v_proj.weight[head_values, residual.copied] = identity / context_scale
             distance.o_proj.weight[residual.code(offset), head_values] = identity
 
-            head_dims = (offset - 1) * head_dim + dims
-            lookup.q_proj.weight[head_dims, residual.code(offset)] = identity
-            lookup.k_proj.weight[head_dims, residual.code(offset)] = identity
+            set_content_match(lookup, target, offset - 1, residual.code(offset), residual.code(offset))
             lookup.v_proj.weight[head_values, residual.copied] = identity / context_scale
             lookup.o_proj.weight[residual.copied, head_values] = identity
-        # q/k norms are per head_dim, shared by the heads
-        weight = norm_weight(SCORE_GAP / POSITION_MARGIN, head_dim)
-        for norm in (distance.q_norm, distance.k_norm):
-            norm.weight[pairs], norm.weight[pairs + half] = weight, weight
-        for norm in (lookup.q_norm, lookup.k_norm):
-            norm.weight[dims] = norm_weight(INDUCTION_SCORE, head_dim)
     return drafter

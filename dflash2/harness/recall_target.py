@@ -117,6 +117,35 @@ def norm_weight(score: float, head_dim: int) -> float:
     return math.sqrt(score / math.sqrt(head_dim))
 
 
+def set_distance_head(attention, spec: RecallTargetSpec, head: int, offset: int, constant: int) -> None:
+    """Head ``head`` of ``attention`` (a Qwen3-style attention module, weights zeroed) scores a key by its distance
+    alone, ``offset`` back scoring ``SCORE_GAP`` nats above any other distance below ``max_positions``: queries and
+    keys read only the residual's ``constant`` column, on the ``POSITION_PAIRS`` fastest RoPE pairs (module
+    docstring)."""
+    theta, amplitude = frequencies(spec), position_weights().sqrt()
+    pairs, half = torch.arange(POSITION_PAIRS), spec.head_dim // 2
+    rows = head * spec.head_dim + pairs
+    attention.q_proj.weight[rows, constant] = (amplitude * torch.cos(offset * theta[pairs])).float()
+    attention.q_proj.weight[rows + half, constant] = (-amplitude * torch.sin(offset * theta[pairs])).float()
+    attention.k_proj.weight[rows, constant] = amplitude.float()
+    # q/k norms are per head_dim, shared by the heads
+    weight = norm_weight(SCORE_GAP / POSITION_MARGIN, spec.head_dim)
+    for norm in (attention.q_norm, attention.k_norm):
+        norm.weight[pairs], norm.weight[pairs + half] = weight, weight
+
+
+def set_content_match(attention, spec: RecallTargetSpec, head: int, query: slice, key: slice) -> None:
+    """Head ``head`` of ``attention`` (weights zeroed) matches the query row's code in residual columns ``query``
+    with the key row's code in ``key``, position-free (``content_pairs``): ``INDUCTION_SCORE`` nats for equal codes."""
+    content, half = content_pairs(spec), spec.head_dim // 2
+    dims = torch.cat([content, content + half])
+    identity = torch.eye(spec.code_dim)
+    attention.q_proj.weight[head * spec.head_dim + dims, query] = identity
+    attention.k_proj.weight[head * spec.head_dim + dims, key] = identity
+    for norm in (attention.q_norm, attention.k_norm):
+        norm.weight[dims] = norm_weight(INDUCTION_SCORE, spec.head_dim)
+
+
 def build_recall_target(spec: RecallTargetSpec, folder: Path | None = None):
     """The induction target (module docstring) as a transformers ``Qwen3ForCausalLM``, saved to ``folder``."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -134,8 +163,7 @@ def build_recall_target(spec: RecallTargetSpec, folder: Path | None = None):
     config.architectures = ["Qwen3ForCausalLM"]
     model = Qwen3ForCausalLM(config).float().eval()
     residual = Residual(spec.code_dim, spec.offsets)
-    codes, theta = token_codes(spec), frequencies(spec)
-    half = head_dim // 2
+    codes = token_codes(spec)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.zero_()
@@ -151,33 +179,17 @@ def build_recall_target(spec: RecallTargetSpec, folder: Path | None = None):
         # layer 0: the distance heads; input RMS: E and the constant, each of norm 1
         distance = model.model.layers[0].self_attn
         scale = math.sqrt(hidden / 2)
-        amplitude = position_weights().sqrt()
-        pairs = torch.arange(POSITION_PAIRS)
         for head in range(spec.offsets):
             offset = head + 1
-            rows = head * head_dim + pairs
-            distance.q_proj.weight[rows, residual.constant] = (amplitude * torch.cos(offset * theta[pairs])).float()
-            distance.q_proj.weight[rows + half, residual.constant] = (
-                -amplitude * torch.sin(offset * theta[pairs])
-            ).float()
-            distance.k_proj.weight[rows, residual.constant] = amplitude.float()
+            set_distance_head(distance, spec, head, offset, residual.constant)
             values = head * head_dim + torch.arange(spec.code_dim)
             distance.v_proj.weight[values, residual.code(0)] = torch.eye(spec.code_dim) / scale
             distance.o_proj.weight[residual.code(offset), values] = torch.eye(spec.code_dim)
-        weight = norm_weight(SCORE_GAP / POSITION_MARGIN, head_dim)
-        for norm in (distance.q_norm, distance.k_norm):
-            norm.weight[pairs], norm.weight[pairs + half] = weight, weight
 
         # layer 1: the induction head; input RMS: E, P1..Pn and the constant, each of norm 1
         induction = model.model.layers[1].self_attn
         scale = math.sqrt(hidden / (spec.offsets + 2))
-        content = content_pairs(spec)
-        dims = torch.cat([content, content + half])
-        induction.q_proj.weight[dims, residual.code(0)] = torch.eye(spec.code_dim)
-        induction.k_proj.weight[dims, residual.code(1)] = torch.eye(spec.code_dim)
-        weight = norm_weight(INDUCTION_SCORE, head_dim)
-        for norm in (induction.q_norm, induction.k_norm):
-            norm.weight[dims] = weight
+        set_content_match(induction, spec, 0, residual.code(0), residual.code(1))
         values = torch.arange(spec.code_dim)
         induction.v_proj.weight[values, residual.code(0)] = torch.eye(spec.code_dim) / scale
         induction.o_proj.weight[residual.copied, values] = torch.eye(spec.code_dim)
